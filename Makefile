@@ -1,0 +1,41 @@
+# The README's two set-up commands are `make run` and `make test`; both create .venv on demand.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.memexp-installed
+
+.DEFAULT_GOAL := help
+.PHONY: help install run train test test-fast lint bench clean
+
+help: ## list the targets
+	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	# torch first and pinned: an unpinned torch pulls several GB of CUDA packages.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $@
+
+install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into it
+
+run: install ## the main job: train the default model on the embedded defaults
+	$(PY) train.py
+
+train: install ## a single run with your overrides, e.g. make train ARGS='precision=fp32'
+	$(PY) train.py $(ARGS)
+
+test: install ## the whole test suite (what CI runs)
+	$(PY) -m pytest
+
+test-fast: install ## the tests not marked slow
+	$(PY) -m pytest -m "not slow"
+
+lint: install ## ruff
+	$(VENV)/bin/ruff check src tests bench train.py
+
+bench: install ## the overhead benchmark against a hand-written loop
+	$(PY) bench/overhead.py
+
+clean: ## remove outputs (keeps .venv)
+	rm -rf outputs multirun .pytest_cache

@@ -1,0 +1,141 @@
+"""Structured-config schemas, so that a typo or a wrong type fails at compose time, naming the key.
+
+- The root schema (`train_schema`) types the `trainer` and `memory` keys.
+- Every group option (`conf/<group>/<name>.yaml`) extends a schema generated from the signature of
+  its `_target_` (`schema/<group>/<Target>`): the constructor is the single definition of a
+  technique's keys, and `model.widht=3` or `checkpointing.every=abc` fail before anything runs.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import inspect
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING
+
+from memexp import data, loggers, models
+from memexp.techniques import bn_mode, checkpointing, optim, parallel, precision
+
+
+class Device(str, enum.Enum):
+    auto = "auto"  # CUDA when there is one, else CPU
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+@dataclass
+class TrainerConfig:
+    # optimizer steps to run (each takes optim.accumulate micro-batches)
+    max_steps: int = 200
+    # evaluate every this many steps; 0 evaluates once, at the end
+    eval_every: int = 0
+    # seeds model initialisation and dropout; data order has its own data.seed
+    seed: int = 0
+    device: Device = Device.auto
+    # first steps left out of step time and throughput (allocator and cache warm-up)
+    warmup_steps: int = 3
+    # logger rows every this many steps
+    log_every: int = 10
+    # a progress bar on terminals, for runs longer than a few seconds
+    progress: bool = True
+
+
+@dataclass
+class MemoryConfig:
+    # track live tensor storage: the category breakdown, and the totals on CPU; false runs the
+    # loop at full speed (CUDA totals still come from the device counters)
+    track: bool = True
+
+
+@dataclass
+class TrainConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    # the groups: each holds one option, built from its `_target_`
+    data: Any = MISSING
+    model: Any = MISSING
+    optim: Any = MISSING
+    precision: Any = MISSING
+    checkpointing: Any = MISSING
+    parallel: Any = MISSING
+    bn_mode: Any = MISSING
+    logger: Any = MISSING
+
+
+# The targets each group's options may name; each gets a schema `schema/<group>/<Name>`.
+GROUP_TARGETS: dict[str, tuple] = {
+    "model": (models.ResNet, models.Transformer, models.MLP),
+    "data": (data.synthetic_images, data.synthetic_tokens, data.cifar10, data.mnist),
+    "optim": (optim.SGD, optim.AdamW),
+    "precision": (precision.FP32,),
+    "checkpointing": (checkpointing.NoCheckpointing,),
+    "parallel": (parallel.NoParallel,),
+    "bn_mode": (bn_mode.TrainBN,),
+    "logger": (loggers.NoLogger, loggers.CsvLogger),
+}
+
+
+def target_path(target) -> str:
+    return f"{target.__module__}.{target.__qualname__}"
+
+
+def _config_type(hint):
+    """The nearest type OmegaConf can validate; `Any` where it has none."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in typing.get_args(hint) if a is not type(None)]
+        if len(options) == 1:
+            # OmegaConf understands Optional[X], not X | None.
+            return typing.Optional[_config_type(options[0])]  # noqa: UP045
+        return Any
+    if origin in (list, tuple):
+        args = [a for a in typing.get_args(hint) if a is not Ellipsis]
+        return list[_config_type(args[0])] if args else list
+    if hint in (int, float, bool, str) or (inspect.isclass(hint) and issubclass(hint, enum.Enum)):
+        return hint
+    return Any
+
+
+def schema_of(target) -> type:
+    """A dataclass with `_target_` and one typed field per constructor argument of `target`."""
+    init = target.__init__ if inspect.isclass(target) else target
+    hints = typing.get_type_hints(init)
+    fields: list = [("_target_", str, field(default=target_path(target)))]
+    for name, param in inspect.signature(target).parameters.items():
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            continue
+        if param.default is param.empty:
+            default = field(default=MISSING)
+        elif isinstance(param.default, (list, tuple)):
+            default = field(default_factory=lambda value=param.default: list(value))
+        else:
+            default = field(default=param.default)
+        fields.append((name, _config_type(hints.get(name, Any)), default))
+    return dataclasses.make_dataclass(f"{target.__name__}Schema", fields)
+
+
+def register() -> None:
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    for group, targets in GROUP_TARGETS.items():
+        for target in targets:
+            store.store(group=f"schema/{group}", name=target.__name__, node=schema_of(target))
+
+
+def config_dir() -> Path:
+    """`conf/` next to the package (wheel) or at the repository root (editable install)."""
+    package = Path(__file__).resolve().parent
+    for candidate in (package / "conf", package.parents[1] / "conf"):
+        if (candidate / "train.yaml").is_file():
+            return candidate
+    raise FileNotFoundError(f"memexp's conf/ folder is neither in {package} nor in the repo root")
+
+
+register()

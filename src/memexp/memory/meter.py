@@ -1,0 +1,186 @@
+"""The memory meter: peak memory of a run, by phase and by category.
+
+Totals come from the device's own counters on CUDA and from the live-storage tracker elsewhere.
+The category breakdown always comes from the tracker (the allocator knows sizes, not roles):
+
+- params:      parameters and buffers of the model
+- grads:       `.grad` of those parameters
+- optimizer:   optimizer state, and fp32 master copies the optimizer updates instead of the model
+- activations: tensors created by the forward pass that are still alive (saved for backward)
+- other:       everything else: the batch, backward temporaries, optimizer-step temporaries
+- offloaded:   host-resident copies (activation offload, CPU-offloaded params); not in the peak
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+
+import torch
+from torch import nn
+
+from memexp.memory.tracker import IDLE, LiveStorageTracker, tensor_storages
+
+PHASES = ("forward", "backward", "optimizer", "eval", IDLE)
+_NOTHING = nullcontext()  # reusable: nullcontext keeps no state
+
+
+class CudaCounters:
+    """Per-phase peaks from the caching allocator's own statistics."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        torch.cuda.reset_peak_memory_stats(device)
+        torch.cuda.reset_accumulated_memory_stats(device)
+        self.peaks: dict[str, int] = {}
+        self._phase = IDLE
+        self._start = torch.cuda.memory_allocated(device)
+
+    def switch(self, phase: str) -> None:
+        """Close the current phase (its peak since the last switch) and start `phase`."""
+        peak = torch.cuda.max_memory_allocated(self.device)
+        # Like the tracker: the idle phase counts only if something was allocated in it.
+        if self._phase != IDLE or peak > self._start:
+            self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), peak)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._phase = phase
+        self._start = torch.cuda.memory_allocated(self.device)
+
+    def report(self) -> dict:
+        self.switch(IDLE)
+        stats = torch.cuda.memory_stats(self.device)
+        return {
+            "reserved_peak_bytes": stats.get("reserved_bytes.all.peak", 0),
+            "active_peak_bytes": stats.get("active_bytes.all.peak", 0),
+            "num_alloc_retries": stats.get("num_alloc_retries", 0),
+            "num_ooms": stats.get("num_ooms", 0),
+        }
+
+
+class MemoryMeter:
+    """Use as a context around the training loop; mark phases with `meter.phase(name)`.
+
+    With `track=False` the storage tracker is off and the loop runs at full speed; on CUDA the
+    device counters still give the peaks (they cost nothing), on CPU nothing is measured.
+    """
+
+    def __init__(self, device: torch.device, track: bool = True):
+        self.device = device
+        self.tracker = LiveStorageTracker(self._roles) if track else None
+        self.counters = CudaCounters(device) if device.type == "cuda" else None
+        self._model: nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+
+    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Name the model and optimizer whose tensors are params, grads and optimizer state."""
+        self._model, self._optimizer = model, optimizer
+        if self.tracker is not None:
+            self.tracker.track(*self._model_tensors(), *self._optimizer_tensors())
+
+    def __enter__(self) -> MemoryMeter:
+        if self.tracker is not None:
+            self.tracker.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.tracker is not None:
+            self.tracker.__exit__(*exc)
+
+    def phase(self, name: str) -> AbstractContextManager:
+        """Mark a phase of the step; a shared null context when nothing is measured."""
+        if self.tracker is None and self.counters is None:
+            return _NOTHING
+        return self._measured_phase(name)
+
+    @contextmanager
+    def _measured_phase(self, name: str):
+        self._switch(name)
+        try:
+            yield
+        finally:
+            self._switch(IDLE)
+
+    def _switch(self, name: str) -> None:
+        if self.tracker is not None:
+            self.tracker.enter(name)
+        if self.counters is not None:
+            self.counters.switch(name)
+
+    # -- roles -------------------------------------------------------------------------------
+    def _model_tensors(self):
+        if self._model is not None:
+            yield from self._model.parameters()
+            yield from self._model.buffers()
+            yield from (p.grad for p in self._model.parameters() if p.grad is not None)
+
+    def _optimizer_tensors(self):
+        if self._optimizer is None:
+            return
+        for group in self._optimizer.param_groups:
+            yield from group["params"]
+        for state in self._optimizer.state.values():
+            yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _roles(self) -> dict[int, str]:
+        roles: dict[int, str] = {}
+
+        def assign(tensors, role):
+            for tensor in tensors:
+                for storage in tensor_storages(tensor):
+                    roles.setdefault(id(storage), role)
+
+        if self._model is not None:
+            params = list(self._model.parameters())
+            assign(params, "params")
+            assign(self._model.buffers(), "params")
+            assign((p.grad for p in params if p.grad is not None), "grads")
+        if self._optimizer is not None:
+            # fp32 master copies' gradients are gradients too.
+            assign(
+                (p.grad for g in self._optimizer.param_groups for p in g["params"]
+                 if p.grad is not None),
+                "grads",
+            )
+        # Whatever else the optimizer holds (state, master copies) is optimizer memory.
+        assign(self._optimizer_tensors(), "optimizer")
+        return roles
+
+    def live_bytes(self) -> int | None:
+        """Device bytes in use now, where they can be read."""
+        if self.counters is not None:
+            return torch.cuda.memory_allocated(self.device)
+        return self.tracker.current if self.tracker is not None else None
+
+    # -- report ------------------------------------------------------------------------------
+    def report(self) -> dict:
+        """The `memory` section of result.json."""
+        report: dict = {
+            "device": str(self.device),
+            "source": "cuda-counters" if self.counters is not None else "storage-tracker",
+            "tracked": self.tracker is not None,
+            "peak_bytes": None,
+            "peak_phase": None,
+            "breakdown_at_peak": None,
+            "phases": {},
+        }
+        tracked = {}
+        if self.tracker is not None:
+            tracked = self.tracker.settled_peaks()
+            # Each category's own running peak, whenever it happened (tracker bytes).
+            report["activations_peak_bytes"] = self.tracker.activations_peak
+            report["offloaded_peak_bytes"] = self.tracker.host_peak
+        if self.counters is not None:
+            report.update(self.counters.report())
+            peaks = dict(self.counters.peaks)
+        else:
+            peaks = {name: p.peak_bytes for name, p in tracked.items()}
+        if not peaks:
+            return report
+        for name in PHASES:
+            if name in peaks:
+                breakdown = tracked[name].breakdown if name in tracked else None
+                report["phases"][name] = {"peak_bytes": peaks[name], "breakdown": breakdown}
+        peak_phase = max(report["phases"], key=lambda n: report["phases"][n]["peak_bytes"])
+        report["peak_phase"] = peak_phase
+        report["peak_bytes"] = peaks[peak_phase]
+        report["breakdown_at_peak"] = report["phases"][peak_phase]["breakdown"]
+        return report

@@ -1,0 +1,102 @@
+"""result.json: the record every run leaves in its output folder, whatever happens to it.
+
+Written atomically (a temp file, then os.replace), first with status "running" when the run
+starts, then with its final status. A run killed outright therefore never leaves a record that
+claims success. The schema is documented in the README ("result.json").
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import traceback
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+GROUPS = ("precision", "checkpointing", "optim", "parallel", "bn_mode")
+CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
+
+
+def now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def write_json_atomic(path: Path, payload: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class RunRecord:
+    def __init__(self, path: Path, config: dict, choices: dict[str, str]):
+        self.path = path
+        self.payload: dict = {
+            "status": "running",
+            "error": None,
+            "techniques": {group: choices.get(group) for group in GROUPS},
+            "memory": None,
+            "metrics": None,
+            "config": config,
+            "env": {
+                "torch": torch.__version__,
+                "device_name": None,
+                "world_size": int(os.environ.get("WORLD_SIZE", 1)),
+                "hostname": socket.gethostname(),
+            },
+            "started_at": now(),
+            "finished_at": None,
+        }
+        write_json_atomic(self.path, self.payload)
+
+    def finish(self, status: str, memory: dict | None = None, metrics: dict | None = None,
+               error: BaseException | None = None) -> None:
+        self.payload.update(status=status, memory=memory, metrics=metrics, finished_at=now())
+        if error is not None:
+            self.payload["error"] = "".join(traceback.format_exception(error))
+        write_json_atomic(self.path, self.payload)
+
+
+def mib(nbytes: int | None) -> str:
+    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+
+
+def summary(result: dict, run_dir: Path | str) -> str:
+    """A few lines for the end of a run: peak memory and its breakdown, speed, accuracy."""
+    techniques = " ".join(f"{k}={v}" for k, v in result["techniques"].items())
+    lines = [f"memexp run: {result['status']}  ({run_dir})", f"  techniques   {techniques}"]
+    memory = result.get("memory")
+    if memory and memory.get("peak_bytes") is not None:
+        lines.append(f"  peak memory  {mib(memory['peak_bytes'])} in {memory['peak_phase']} "
+                     f"({memory['device']}, {memory['source']})")
+        breakdown = memory.get("breakdown_at_peak")
+        if breakdown:
+            parts = [f"{k} {breakdown[k] / 2**20:.1f}" for k in CATEGORY_ORDER if breakdown.get(k)]
+            lines.append(f"    at peak    {', '.join(parts)} (MiB)")
+        phases = " | ".join(f"{name} {mib(p['peak_bytes'])}"
+                            for name, p in memory["phases"].items())
+        lines.append(f"    by phase   {phases}")
+    elif memory:
+        lines.append(f"  peak memory  not measured (memory.track=false on {memory['device']})")
+    metrics = result.get("metrics")
+    if metrics:
+        accuracy = metrics["eval_accuracy"]
+        lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
+                     f"median step {metrics['step_time_s'] * 1000:.1f} ms")
+        lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"
+                     if accuracy is not None else f"  final loss   {metrics['final_loss']:.4f}")
+    if result.get("error"):
+        lines.append("  error        " + result["error"].strip().splitlines()[-1])
+    lines.append(f"  result       {Path(run_dir) / 'result.json'}")
+    return "\n".join(lines)

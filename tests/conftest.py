@@ -1,0 +1,87 @@
+"""Shared fixtures: the real configs, composed with Hydra's compose API and shrunk for CPU."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+from omegaconf import DictConfig
+
+from memexp.config import config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+# Small, quiet runs: tests check behaviour, not speed.
+CPU_SMALL = ["trainer.device=cpu", "trainer.progress=false", "trainer.warmup_steps=1"]
+
+
+def compose_train(*overrides: str) -> DictConfig:
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("train", overrides=[*CPU_SMALL, *overrides])
+
+
+def run_train_py(tmp_path: Path, *overrides: str,
+                 timeout: float = 180) -> subprocess.CompletedProcess:
+    """`python train.py` in a subprocess, its run folder under tmp_path/run."""
+    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env,
+    )
+
+
+@pytest.fixture
+def small_cfg():
+    return compose_train
+
+
+def write_tiny_cifar10(root: Path, per_batch: int = 20) -> Path:
+    """The CIFAR-10 python-version layout, with `per_batch` random images per file."""
+    import pickle
+
+    import numpy as np
+
+    folder = root / "cifar-10-batches-py"
+    folder.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    for name in [f"data_batch_{i}" for i in range(1, 6)] + ["test_batch"]:
+        entry = {
+            b"data": rng.integers(0, 256, (per_batch, 3072), dtype=np.uint8),
+            b"labels": rng.integers(0, 10, per_batch).tolist(),
+        }
+        with open(folder / name, "wb") as f:
+            pickle.dump(entry, f)
+    return root
+
+
+def write_idx(path: Path, array) -> None:
+    import numpy as np
+
+    codes = {np.dtype(np.uint8): 0x08}
+    header = bytes([0, 0, codes[array.dtype], array.ndim])
+    dims = b"".join(int(d).to_bytes(4, "big") for d in array.shape)
+    path.write_bytes(header + dims + array.tobytes())
+
+
+def write_tiny_mnist(root: Path, count: int = 40, gz: bool = False) -> Path:
+    """MNIST IDX files (optionally gzipped) with `count` random digits per split."""
+    import gzip
+
+    import numpy as np
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    for split in ("train", "t10k"):
+        images = rng.integers(0, 256, (count, 28, 28), dtype=np.uint8)
+        labels = rng.integers(0, 10, count, dtype=np.uint8)
+        for kind, array in (("images-idx3", images), ("labels-idx1", labels)):
+            path = root / f"{split}-{kind}-ubyte"
+            write_idx(path, array)
+            if gz:
+                gz_path = path.with_name(path.name + ".gz")
+                gz_path.write_bytes(gzip.compress(path.read_bytes()))
+                path.unlink()
+    return root

@@ -1,0 +1,50 @@
+"""Built-in models: shapes, the blocks contract, and user models through model=custom."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hydra.utils import instantiate
+from torch import nn
+
+from memexp.models import MLP, ResNet, Transformer, blocks_of
+
+from conftest import compose_train
+
+
+def test_resnet18_has_the_published_size():
+    model = ResNet(num_classes=10, width=64, blocks_per_stage=[2, 2, 2, 2])
+    assert sum(p.numel() for p in model.parameters()) == 11_173_962
+
+
+@pytest.mark.parametrize(
+    ("model", "inputs", "logits"),
+    [
+        (ResNet(10, width=8), torch.randn(2, 3, 32, 32), (2, 10)),
+        (MLP(10, hidden=32, depth=2), torch.randn(2, 3, 32, 32), (2, 10)),
+        (Transformer(64, 16, d_model=32, n_layers=2, n_heads=4), torch.randint(64, (2, 16)),
+         (2, 16, 64)),
+    ],
+    ids=["resnet", "mlp", "transformer"],
+)
+def test_forward_shapes_and_blocks_contract(model, inputs, logits):
+    assert model(inputs).shape == logits
+    blocks = blocks_of(model)
+    assert isinstance(blocks, nn.Sequential) and len(blocks) >= 2
+
+
+def test_blocks_count_follows_the_config():
+    model = instantiate(compose_train("model.blocks_per_stage=[1,2,3,1]").model)
+    assert len(blocks_of(model)) == 7
+    model = instantiate(compose_train("model=transformer", "model.n_layers=3").model)
+    assert len(blocks_of(model)) == 3
+
+
+def test_a_model_without_blocks_is_told_what_is_missing():
+    with pytest.raises(TypeError, match="no `blocks` nn.Sequential"):
+        blocks_of(nn.Linear(2, 2))
+
+
+def test_inplace_relu_follows_the_flag():
+    relus = [m for m in ResNet(10, width=8, inplace=True).modules() if isinstance(m, nn.ReLU)]
+    assert relus and all(r.inplace for r in relus)
