@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memexp-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run train test test-fast lint bench clean
+.PHONY: help install run train test test-fast lint bench bench-techniques clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch pulls several GB of CUDA packages.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet -e '.[dev,lowbit]'
 	touch $@
 
 install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into it
@@ -34,8 +34,11 @@ test-fast: install ## the tests not marked slow
 lint: install ## ruff
 	$(VENV)/bin/ruff check src tests bench train.py
 
-bench: install ## the overhead benchmark against a hand-written loop
+bench: install ## the overhead benchmark against a hand-written loop (a few minutes)
 	$(PY) bench/overhead.py
+
+bench-techniques: install ## every technique against its baseline (about 20 minutes on 2 cores)
+	$(PY) bench/techniques.py
 
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

@@ -7,7 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
 
@@ -33,9 +33,53 @@ def run_train_py(tmp_path: Path, *overrides: str,
     )
 
 
-@pytest.fixture
-def small_cfg():
-    return compose_train
+def train(*overrides: str, steps: int = 1):
+    """A short run of the composed config: (the Trainer, with its meter, and the Metrics)."""
+    from memexp.loggers import NoLogger
+    from memexp.trainer import Trainer
+
+    trainer = Trainer(compose_train(f"trainer.max_steps={steps}", *overrides))
+    return trainer, trainer.fit(NoLogger())
+
+
+def step_memory(*overrides: str, steps: int = 1) -> dict:
+    """The meter's report over `steps` training steps alone (no evaluation)."""
+    from memexp.trainer import Trainer
+
+    trainer = Trainer(compose_train(*overrides))
+    batches = trainer.data.train_batches()
+    trainer.model.train()
+    with trainer.meter:
+        for _ in range(steps):
+            trainer.train_step(batches)
+    return trainer.meter.report()
+
+
+def first_step_gradients(*overrides: str):
+    """The gradients of the first optimizer step, in parameter order (wrappers such as
+    checkpointing's keep the order, though they rename parameters)."""
+    from memexp.trainer import Trainer
+
+    trainer = Trainer(compose_train("memory.track=false", *overrides))
+    grads: dict[int, torch.Tensor] = {}
+    params = list(trainer.model.parameters())
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(
+            lambda p, index=index: grads.__setitem__(index, p.grad.detach().clone()))
+    trainer.model.train()
+    trainer.train_step(trainer.data.train_batches())
+    return trainer, [grads[i] for i in range(len(params)) if i in grads]
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """|actual - expected| / |expected|, as norms over the whole tensor."""
+    scale = expected.double().norm().clamp_min(1e-30)
+    return float((actual.double() - expected.double()).norm() / scale)
+
+
+def max_relative_error(actual: list, expected: list) -> float:
+    assert len(actual) == len(expected)
+    return max(relative_error(a, e) for a, e in zip(actual, expected, strict=True))
 
 
 def write_tiny_cifar10(root: Path, per_batch: int = 20) -> Path:

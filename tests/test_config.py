@@ -20,11 +20,14 @@ def options(group: str) -> list[str]:
     return sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
 
 
-def data_root_overrides(option: str, tmp_path: Path) -> list[str]:
+def required_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
+    """The keys an option needs from the user (its `???` values)."""
     if option == "cifar10":
         return [f"data.root={write_tiny_cifar10(tmp_path)}", "data.batch_size=8"]
     if option == "mnist":
         return [f"data.root={write_tiny_mnist(tmp_path)}", "data.batch_size=8"]
+    if (group, option) == ("checkpointing", "modules"):
+        return ["checkpointing.modules=[blocks.0]"]
     return []
 
 
@@ -33,7 +36,7 @@ def data_root_overrides(option: str, tmp_path: Path) -> list[str]:
     [(g, o) for g in GROUPS for o in options(g) if (g, o) != ("model", "custom")],
 )
 def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
-    cfg = compose_train(f"{group}={option}", *data_root_overrides(option, tmp_path))
+    cfg = compose_train(f"{group}={option}", *required_overrides(group, option, tmp_path))
     node = cfg[group]
     assert instantiate(node) is not None
     # The YAML names the same target as the schema it extends, so typos are caught against
@@ -71,11 +74,14 @@ def test_the_defaults_list_covers_every_group():
         ("memory.track=maybe", ["full_key: memory.track", "not a valid bool"]),
         ("model.widht=3", ["full_key: model.widht", "not in 'ResNetSchema'"]),
         ("optim.lr=fast", ["full_key: optim.lr", "converted to Float"]),
+        ("memory.empty_cache=sometimes", ["memory.empty_cache",
+                                          "expected one of [never, step, eval]"]),
+        ("checkpointing=full checkpointing.every=often", ["full_key: checkpointing.every"]),
     ],
 )
 def test_typos_and_wrong_types_fail_before_training_naming_the_key(override, says):
     with pytest.raises(ConfigCompositionException) as raised:
-        compose_train(override)
+        compose_train(*override.split())
     text = f"{raised.value}\n{raised.value.__cause__}"
     for fragment in says:
         assert fragment in text

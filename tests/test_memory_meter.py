@@ -15,7 +15,8 @@ def one_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: torch.T
     """One training step under the meter, phases as the trainer marks them. The loss is a plain
     sum, which keeps nothing for backward, so the only activations are the model's own."""
     meter = MemoryMeter(torch.device("cpu"))
-    meter.watch(model, optimizer)
+    meter.watch(model)
+    meter.watch_optimizer(optimizer)
     with meter:
         with meter.phase("forward"):
             loss = model(inputs).sum()
@@ -104,7 +105,8 @@ def test_peak_phase_is_the_phase_that_held_the_peak():
 def test_tracking_off_measures_nothing_on_cpu():
     meter = MemoryMeter(torch.device("cpu"), track=False)
     model = nn.Linear(8, 8)
-    meter.watch(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    meter.watch(model)
+    meter.watch_optimizer(torch.optim.SGD(model.parameters(), lr=0.1))
     with meter, meter.phase("forward"):
         model(torch.randn(2, 8)).sum().backward()
     report = meter.report()

@@ -5,36 +5,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memexp.loggers import NoLogger
-from memexp.trainer import Trainer, pick_device
+from memexp.trainer import pick_device
 
-from conftest import compose_train
+from conftest import train
 
 
-def train(*overrides):
-    trainer = Trainer(compose_train("model.width=8", "data.batch_size=16",
-                                    "trainer.max_steps=6", *overrides))
-    return trainer, trainer.fit(NoLogger())
+def small_run(*overrides):
+    return train("model.width=8", "data.batch_size=16", *overrides, steps=6)
 
 
 def test_same_seed_gives_bitwise_identical_losses_and_weights():
-    first, a = train()
-    second, b = train()
+    first, a = small_run()
+    second, b = small_run()
     assert a.losses == b.losses  # exact float equality, every step
     for p, q in zip(first.model.parameters(), second.model.parameters(), strict=True):
         assert torch.equal(p, q)
-    _, c = train("trainer.seed=1")
+    _, c = small_run("trainer.seed=1")
     assert a.losses != c.losses
 
 
 def test_memory_tracking_does_not_change_the_math():
-    _, tracked = train("memory.track=true")
-    _, untracked = train("memory.track=false")
+    _, tracked = small_run("memory.track=true")
+    _, untracked = small_run("memory.track=false")
     assert tracked.losses == untracked.losses
 
 
 def test_no_graph_outlives_its_step():
-    trainer, metrics = train()
+    trainer, metrics = small_run()
     assert all(isinstance(loss, float) for loss in metrics.losses)
     # After training only the model is alive (SGD keeps no state): no graph, activations or
     # batches held by a stored loss.
@@ -44,7 +41,7 @@ def test_no_graph_outlives_its_step():
 
 
 def test_a_run_reports_memory_metrics_and_accuracy():
-    trainer, metrics = train()
+    trainer, metrics = small_run()
     summary = trainer.summary_metrics(metrics)
     assert summary["throughput_unit"] == "samples/s" and summary["throughput"] > 0
     assert 0 <= summary["eval_accuracy"] <= 1

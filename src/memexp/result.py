@@ -96,6 +96,9 @@ def summary(result: dict, run_dir: Path | str) -> str:
                      f"median step {metrics['step_time_s'] * 1000:.1f} ms")
         lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"
                      if accuracy is not None else f"  final loss   {metrics['final_loss']:.4f}")
+        if metrics.get("skipped_steps"):
+            lines.append(f"  skipped      {metrics['skipped_steps']} steps with non-finite "
+                         f"gradients (loss scale now {metrics['loss_scale']:g})")
     if result.get("error"):
         lines.append("  error        " + result["error"].strip().splitlines()[-1])
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ from tqdm import tqdm
 
 from memexp.data import Batch, TensorData
 from memexp.memory import MemoryMeter
+from memexp.techniques import check_combination
 
 
 def pick_device(requested: str) -> torch.device:
@@ -35,9 +37,20 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
-def build_model(node: DictConfig) -> nn.Module:
+def build(node: DictConfig):
+    """instantiate(node). A ValueError from the target is memexp's own check of a value, and
+    already names the key and what is allowed: it comes out as it is, not inside Hydra's wrapper."""
     try:
         return instantiate(node)
+    except InstantiationException as error:
+        if isinstance(error.__cause__, ValueError):
+            raise error.__cause__ from None
+        raise
+
+
+def build_model(node: DictConfig) -> nn.Module:
+    try:
+        return build(node)
     except InstantiationException as error:
         raise InstantiationException(
             f"{error}\nmodel._target_={node._target_} could not be built with the keys "
@@ -60,28 +73,33 @@ class Trainer:
         self.cfg = cfg
         self.device = pick_device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed)
-        self.data: TensorData = instantiate(cfg.data)
-        self.precision = instantiate(cfg.precision)
-        self.checkpointing = instantiate(cfg.checkpointing)
-        self.bn_mode = instantiate(cfg.bn_mode)
-        self.parallel = instantiate(cfg.parallel)
-        self.optim = instantiate(cfg.optim)
+        self.data: TensorData = build(cfg.data)
+        self.precision = build(cfg.precision)
+        self.checkpointing = build(cfg.checkpointing)
+        self.bn_mode = build(cfg.bn_mode)
+        self.parallel = build(cfg.parallel)
+        self.optim = build(cfg.optim)
+        check_combination(self.precision, self.optim, self.parallel)
 
         # The techniques, in this order:
         model = build_model(cfg.model)
         # 1. BatchNorm changes first: they need the model's raw Conv->BN structure.
         model = self.bn_mode.apply(model)
-        # 2. Precision casts parameters before anything keeps a reference to them.
-        model = self.precision.apply(model).to(self.device)
+        # 2. Onto the device; precision casts parameters (pure half) before anything keeps a
+        #    reference to them, and learns the device type for autocast.
+        model = self.precision.apply(model.to(self.device))
         # 3. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
         # 4. Parallel wrappers (DDP, FSDP) go outermost.
         self.model = self.parallel.apply(model)
-        # 5. The optimizer last, over the parameters as they now are (or their master copies).
-        self.optimizer = self.optim.build(self.precision.parameters(self.model))
-
+        # 5. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
         self.meter = MemoryMeter(self.device, track=cfg.memory.track)
-        self.meter.watch(self.model, self.optimizer)
+        self.meter.watch(self.model)
+        # 6. The optimizer last, over the parameters as they now are (or their master copies).
+        self.optimizer = self.optim.build(self.precision.parameters(self.model))
+        self.meter.watch_optimizer(self.optimizer)
+        self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
+        self.skipped_steps = 0
 
     def to_device(self, batch: Batch) -> Batch:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
@@ -109,7 +127,8 @@ class Trainer:
                     self.precision.backward(loss)
             total += loss.item()  # a float: no graph outlives its step
         with meter.phase("optimizer"):
-            self.precision.step(self.optimizer)
+            # A step skipped for non-finite gradients (fp16 loss scaling) is counted, not silent.
+            self.skipped_steps += not self.precision.step(self.optimizer)
             # Free the gradients now: no need for this memory until the next backward.
             self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -146,14 +165,23 @@ class Trainer:
                 loss = self.train_step(batches)
                 metrics.step_times.append(time.perf_counter() - started)
                 metrics.losses.append(loss)
+                self.release_cached_memory("step")
                 bar.update()
                 last = step == max_steps
                 if last or (eval_every and step % eval_every == 0):
                     metrics.eval_accuracy = self.evaluate()
+                    self.release_cached_memory("eval")
                 if last or step % log_every == 0:
                     bar.set_postfix(loss=f"{loss:.3f}")
                     logger.log(step, self.step_metrics(metrics))
         return metrics
+
+    def release_cached_memory(self, point: str) -> None:
+        """memory.empty_cache: give cached blocks back at this point (source tips 10 and 13)."""
+        if self.empty_cache_at == point:
+            gc.collect()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()
 
     def step_metrics(self, metrics: Metrics) -> dict[str, float | None]:
         """The same keys every step; None where a value is not known (yet)."""
@@ -178,5 +206,7 @@ class Trainer:
             "throughput_unit": f"{self.data.unit}/s",
             "step_time_s": step_time,
             "steps": len(metrics.losses),
+            "skipped_steps": self.skipped_steps,
+            "loss_scale": self.precision.loss_scale(),
             "losses": metrics.losses,
         }

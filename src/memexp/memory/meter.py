@@ -13,7 +13,7 @@ The category breakdown always comes from the tracker (the allocator knows sizes,
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -70,20 +70,37 @@ class MemoryMeter:
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
 
-    def watch(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        """Name the model and optimizer whose tensors are params, grads and optimizer state."""
-        self._model, self._optimizer = model, optimizer
+    def watch(self, model: nn.Module) -> None:
+        """Name the model whose tensors are params and grads. Call it before the optimizer is
+        built: the meter's gradient hooks must run before any optimizer's (optim.in_backward
+        steps and frees each gradient in its own hook)."""
+        self._model = model
         if self.tracker is not None:
-            self.tracker.track(*self._model_tensors(), *self._optimizer_tensors())
+            self.tracker.track(*self._model_tensors())
+            for param in model.parameters():
+                if param.requires_grad:
+                    param.register_post_accumulate_grad_hook(self._count_grad)
+
+    def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Name the optimizer whose tensors are optimizer state (and master copies)."""
+        self._optimizer = optimizer
+        if self.tracker is not None:
+            self.tracker.track(*self._optimizer_tensors())
+
+    def _count_grad(self, param: torch.Tensor) -> None:
+        self.tracker.mark_grad(param.grad)
 
     def __enter__(self) -> MemoryMeter:
+        self._active = ExitStack()
         if self.tracker is not None:
-            self.tracker.__enter__()
+            # torch.compile cannot run under a TorchDispatchMode: compiled code (torchao's 8-bit
+            # optimizer step, for one) runs eagerly while the tracker watches.
+            self._active.enter_context(torch.compiler.set_stance("force_eager"))
+            self._active.enter_context(self.tracker)
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.tracker is not None:
-            self.tracker.__exit__(*exc)
+        self._active.__exit__(*exc)
 
     def phase(self, name: str) -> AbstractContextManager:
         """Mark a phase of the step; a shared null context when nothing is measured."""
@@ -165,8 +182,10 @@ class MemoryMeter:
         tracked = {}
         if self.tracker is not None:
             tracked = self.tracker.settled_peaks()
-            # Each category's own running peak, whenever it happened (tracker bytes).
+            # Running peaks of single categories, whenever they happened (tracker bytes).
             report["activations_peak_bytes"] = self.tracker.activations_peak
+            report["saved_activations_bytes"] = self.tracker.saved_activations
+            report["grads_peak_bytes"] = self.tracker.grads_peak
             report["offloaded_peak_bytes"] = self.tracker.host_peak
         if self.counters is not None:
             report.update(self.counters.report())

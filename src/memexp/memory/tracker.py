@@ -71,6 +71,7 @@ class _Storage:
     nbytes: int
     phase: str
     host: bool
+    grad: bool = False
 
 
 @dataclass
@@ -111,9 +112,12 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = IDLE
         self.current = 0
         self.host_current = self.host_peak = 0
-        # Live activations can be followed op by op (by creating phase), so their own peak is
-        # known whatever the moment of the overall peak.
+        # Live activations (by creating phase) and gradients (marked by `mark_grad`) are followed
+        # op by op, so their own peaks are known whatever the moment of the overall peak.
         self.activations_current = self.activations_peak = 0
+        self.grads_current = self.grads_peak = 0
+        # Device activations alive when a forward pass ends: what autograd keeps for backward.
+        self.saved_activations = 0
         self.peaks: dict[str, PhasePeak] = {}
 
     # -- recording ---------------------------------------------------------------------------
@@ -143,6 +147,8 @@ class LiveStorageTracker(TorchDispatchMode):
                 return False
             grew = nbytes > known.nbytes and not known.host
             self._add(known, nbytes - known.nbytes)  # resized in place
+            if known.grad:
+                self._add_grad(nbytes - known.nbytes)
             known.nbytes = nbytes
             return grew
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
@@ -156,6 +162,20 @@ class LiveStorageTracker(TorchDispatchMode):
         record = self._live.pop(key, None)
         if record is not None:
             self._add(record, -record.nbytes)
+            if record.grad:
+                self._add_grad(-record.nbytes)
+
+    def mark_grad(self, grad: torch.Tensor) -> None:
+        """Count `grad`'s storage as gradient memory until it is freed."""
+        for storage in tensor_storages(grad):
+            record = self._live.get(id(storage))
+            if record is not None and not record.grad and not record.host:
+                record.grad = True
+                self._add_grad(record.nbytes)
+
+    def _add_grad(self, nbytes: int) -> None:
+        self.grads_current += nbytes
+        self.grads_peak = max(self.grads_peak, self.grads_current)
 
     def _add(self, record: _Storage, nbytes: int) -> None:
         if record.host:
@@ -172,6 +192,8 @@ class LiveStorageTracker(TorchDispatchMode):
         """Start attributing allocations to `phase`; what is live on entry counts for it too
         (an SGD step allocates nothing, yet the optimizer phase holds params and grads)."""
         self._settle(self.peaks.get(self.phase))
+        if self.phase == "forward":
+            self.saved_activations = max(self.saved_activations, self.activations_current)
         self.phase = phase
         if phase != IDLE:
             self._maybe_peak()

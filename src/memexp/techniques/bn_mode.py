@@ -1,10 +1,52 @@
-"""bn_mode: how BatchNorm layers behave while the rest of the model trains."""
+"""bn_mode: how BatchNorm layers behave while the rest of the model trains.
+
+Every option is structural (`apply(model)`). Frozen BatchNorms keep their module names,
+parameters and state_dict: their class is swapped for a subclass whose `train()` leaves them in
+eval mode, so `model.train()` cannot undo the choice.
+"""
 
 from __future__ import annotations
 
+import functools
+import itertools
+import logging
+import warnings
+from collections import Counter
 from dataclasses import dataclass
 
-from torch import nn
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+from torch.nn.modules.conv import _ConvNd
+
+from memexp.techniques import check_module_names
+
+log = logging.getLogger("memexp")
+
+
+def batchnorms(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, _BatchNorm)]
+
+
+def _always_eval(self: nn.Module, mode: bool = True) -> nn.Module:
+    return nn.Module.train(self, False)
+
+
+@functools.cache
+def _frozen_class(cls: type) -> type:
+    return type(f"Frozen{cls.__name__}", (cls,), {"train": _always_eval})
+
+
+def freeze_statistics(norm: _BatchNorm) -> None:
+    """Normalize with the running statistics and never update them; weight and bias still train."""
+    norm.__class__ = _frozen_class(type(norm))
+    norm.train(False)
+
+
+def _no_batchnorm(option: str, model: nn.Module) -> None:
+    warnings.warn(f"bn_mode={option}: {type(model).__name__} has no BatchNorm layer; "
+                  "nothing to change", stacklevel=3)
 
 
 @dataclass
@@ -12,4 +54,209 @@ class TrainBN:
     """BatchNorm as PyTorch defines it: batch statistics, running statistics updated."""
 
     def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+
+@dataclass
+class EvalBN:
+    """Running statistics frozen, affine weight and bias still trained: the usual transfer-learning
+    setting (MMDetection's `norm_eval`, the paper's "Eval" mode)."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        norms = batchnorms(model)
+        if not norms:
+            _no_batchnorm("eval", model)
+        for _, norm in norms:
+            freeze_statistics(norm)
+        return model
+
+
+class _FoldedConvBN(torch.autograd.Function):
+    """conv(x, w * s) + (b - mean) * s + beta, with s = gamma / sqrt(var + eps) per channel.
+
+    Saves x and the per-channel 1/sqrt(var + eps); w, b, gamma and mean are parameters and
+    buffers, kept anyway. The folded weight is recomputed in backward: MMEngine's fold saves it,
+    a weight-sized copy per conv that costs more than it saves at small batch. An eval-mode
+    BatchNorm after a conv would save the conv's whole output; nothing here does.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, gamma, beta, mean, var, eps, stride, padding, dilation,
+                groups):
+        inv_std = torch.rsqrt(var.float() + eps)
+        scale = gamma.float() * inv_std
+        shift = beta.float() - mean.float() * scale
+        if bias is not None:
+            shift = shift + bias.float() * scale
+        # Under autocast the conv runs in the autocast dtype, as an unfolded conv would.
+        device = x.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        x = x.to(dtype)
+        per_channel = (-1, *[1] * (weight.dim() - 1))
+        folded = (weight.float() * scale.view(per_channel)).to(dtype)
+        with torch.autocast(device, enabled=False):
+            out = torch.ops.aten.convolution(x, folded, shift.to(dtype), stride, padding,
+                                             dilation, False, [0] * (weight.dim() - 2), groups)
+        ctx.save_for_backward(x, weight, bias, gamma, mean, inv_std)
+        ctx.conv = (stride, padding, dilation, groups)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, bias, gamma, mean, inv_std = ctx.saved_tensors
+        stride, padding, dilation, groups = ctx.conv
+        scale = gamma.float() * inv_std
+        per_channel = (-1, *[1] * (weight.dim() - 1))
+        folded = (weight.float() * scale.view(per_channel)).to(x.dtype)
+        grad_x, grad_folded, grad_shift = torch.ops.aten.convolution_backward(
+            grad_out.to(x.dtype), x, folded, [folded.shape[0]], stride, padding, dilation, False,
+            [0] * (weight.dim() - 2), groups, [ctx.needs_input_grad[0], True, True],
+        )
+        grad_folded, grad_shift = grad_folded.float(), grad_shift.float()
+        # d/dw of w*s is s; d/ds collects from w*s and from shift = (b - mean)*s + beta.
+        grad_weight = grad_folded * scale.view(per_channel)
+        grad_scale = (grad_folded * weight.float()).flatten(1).sum(1) - grad_shift * mean.float()
+        grad_bias = None
+        if bias is not None:
+            grad_scale = grad_scale + grad_shift * bias.float()
+            grad_bias = (grad_shift * scale).to(bias.dtype)
+        return (grad_x, grad_weight.to(weight.dtype), grad_bias,
+                (grad_scale * inv_std).to(gamma.dtype), grad_shift.to(gamma.dtype),
+                None, None, None, None, None, None, None)
+
+
+def _conv_with_norm(self: _ConvNd, x: Tensor) -> Tensor:
+    norm = self._folded_norm
+    gamma = norm.weight if norm.affine else torch.ones_like(norm.running_var)
+    beta = norm.bias if norm.affine else torch.zeros_like(norm.running_mean)
+    return _FoldedConvBN.apply(x, self.weight, self.bias, gamma, beta, norm.running_mean,
+                               norm.running_var, norm.eps, self.stride, self.padding,
+                               self.dilation, self.groups)
+
+
+def _pass_through(self: nn.Module, x: Tensor) -> Tensor:
+    return x
+
+
+@functools.cache
+def _folded_conv_class(cls: type) -> type:
+    return type(f"{cls.__name__}WithFoldedBN", (cls,), {"forward": _conv_with_norm})
+
+
+@functools.cache
+def _folded_norm_class(cls: type) -> type:
+    return type(f"FoldedInto{cls.__name__}", (cls,),
+                {"forward": _pass_through, "train": _always_eval})
+
+
+def _foldable(conv: nn.Module, norm: nn.Module) -> bool:
+    return (isinstance(conv, _ConvNd) and not conv.transposed and conv.padding_mode == "zeros"
+            and not isinstance(conv.padding, str) and isinstance(norm, _BatchNorm)
+            and norm.track_running_stats)
+
+
+def conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
+    """(conv, BatchNorm) names where the BatchNorm is the conv's only consumer. Found by tracing
+    the model with torch.fx; for models fx cannot trace, by scanning nn.Sequential containers."""
+    modules = dict(model.named_modules())
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception as error:  # dynamic control flow and the like
+        warnings.warn(f"bn_mode=efficient_eval: torch.fx cannot trace {type(model).__name__} "
+                      f"({type(error).__name__}); looking for conv->BatchNorm pairs inside "
+                      "nn.Sequential containers only", stacklevel=3)
+        return [(f"{name}.{a}".lstrip("."), f"{name}.{b}".lstrip("."))
+                for name, seq in modules.items() if isinstance(seq, nn.Sequential)
+                for (a, conv), (b, norm) in itertools.pairwise(seq.named_children())
+                if _foldable(conv, norm)]
+    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
+    pairs = []
+    for node in graph.nodes:
+        source = node.args[0] if node.args else None
+        if (node.op == "call_module" and isinstance(source, torch.fx.Node)
+                and source.op == "call_module" and len(source.users) == 1
+                and calls[source.target] == calls[node.target] == 1
+                and _foldable(modules[source.target], modules[node.target])):
+            pairs.append((source.target, node.target))
+    return pairs
+
+
+@dataclass
+class EfficientEvalBN:
+    """Eval-mode BatchNorm folded into the conv before it on every forward: the Efficient
+    Conv-BN "Tune" mode (You et al., ICLR 2024; MMEngine's `efficient_conv_bn_eval`). Same
+    outputs and gradients as bn_mode=eval, but no conv output is saved for backward.
+
+    `modules` restricts the fold to those parts of the model (MMEngine's "[backbone]"); every
+    other BatchNorm is frozen as in bn_mode=eval."""
+
+    modules: list[str] = ()
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        check_module_names("bn_mode.modules", list(self.modules), model)
+        norms = batchnorms(model)
+        if not norms:
+            raise ValueError(f"bn_mode=efficient_eval: {type(model).__name__} has no BatchNorm")
+        pairs = [(c, n) for c, n in conv_bn_pairs(model) if self._selected(c)]
+        if not pairs:
+            raise ValueError(f"bn_mode=efficient_eval found no conv->BatchNorm pair to fold in "
+                             f"{type(model).__name__} (modules={list(self.modules)})")
+        folded = {norm for _, norm in pairs}
+        for name, norm in norms:
+            if name not in folded:
+                freeze_statistics(norm)
+        for conv_name, norm_name in pairs:
+            conv, norm = model.get_submodule(conv_name), model.get_submodule(norm_name)
+            conv.__class__ = _folded_conv_class(type(conv))
+            object.__setattr__(conv, "_folded_norm", norm)  # a reference, not a submodule
+            norm.__class__ = _folded_norm_class(type(norm))
+            norm.train(False)
+        log.info("bn_mode=efficient_eval: folded %d of %d BatchNorms into their convs",
+                 len(pairs), len(norms))
+        return model
+
+    def _selected(self, name: str) -> bool:
+        return not self.modules or any(name == m or name.startswith(m + ".") for m in self.modules)
+
+
+@dataclass
+class SyncBN:
+    """SyncBatchNorm: batch statistics over all ranks' samples. Needs more than one process; a
+    single process warns and keeps ordinary BatchNorm."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+        if world == 1:
+            warnings.warn("bn_mode=sync needs more than one process and this run has one: "
+                          "falling back to bn_mode=train", stacklevel=2)
+            return model
+        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+
+
+@dataclass
+class GroupNormBN:
+    """Every BatchNorm replaced by GroupNorm (statistics per sample over channel groups): results
+    no longer depend on the batch size, so gradient accumulation matches a large batch. Each
+    layer gets the largest number of groups <= `groups` that divides its channels."""
+
+    groups: int = 32
+
+    def __post_init__(self) -> None:
+        if self.groups < 1:
+            raise ValueError(f"bn_mode.groups={self.groups}: must be >= 1")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        norms = batchnorms(model)
+        if not norms:
+            _no_batchnorm("group_norm", model)
+        for name, norm in norms:
+            channels = norm.num_features
+            groups = max(g for g in range(1, min(self.groups, channels) + 1) if channels % g == 0)
+            replacement = nn.GroupNorm(groups, channels, eps=norm.eps, affine=norm.affine)
+            if norm.affine:
+                with torch.no_grad():
+                    replacement.weight.copy_(norm.weight)
+                    replacement.bias.copy_(norm.bias)
+            parent, _, attribute = name.rpartition(".")
+            model.get_submodule(parent).register_module(attribute, replacement)
         return model

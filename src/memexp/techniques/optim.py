@@ -1,21 +1,72 @@
-"""optim: the optimizer, and when it steps (gradient accumulation)."""
+"""optim: the optimizer, when it steps (gradient accumulation), and where (optimizer in backward).
+
+Every option has `lr`, `accumulate` and `in_backward`; `build(params)` returns the optimizer the
+trainer steps. Gradients are always zeroed with set_to_none (the trainer does it right after the
+step), so no gradient memory lives between steps.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+MakeOptimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
+
+
+class StepInBackward:
+    """One optimizer per parameter, stepped from that parameter's post-accumulate-grad hook,
+    which then frees the gradient: the full set of gradients never exists at once (torchtune's
+    optimizer-in-backward). `step()` and `zero_grad()` do nothing: the work is done in backward.
+    `state`, `param_groups` and the state_dict cover every per-parameter optimizer."""
+
+    def __init__(self, params: list[Tensor], make: MakeOptimizer):
+        self.optimizers = {p: make([p]) for p in params if p.requires_grad}
+        for param in self.optimizers:
+            param.register_post_accumulate_grad_hook(self._step)
+
+    def _step(self, param: Tensor) -> None:
+        optimizer = self.optimizers[param]
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return [group for opt in self.optimizers.values() for group in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        return {p: s for opt in self.optimizers.values() for p, s in opt.state.items()}
+
+    def step(self) -> None:
+        pass
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        pass
+
+    def state_dict(self) -> dict:
+        return {"per_parameter": [opt.state_dict() for opt in self.optimizers.values()]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for optimizer, saved in zip(self.optimizers.values(), state["per_parameter"],
+                                    strict=True):
+            optimizer.load_state_dict(saved)
+
 
 @dataclass(kw_only=True)
 class OptimizerChoice:
-    """Keys every optim option has. `accumulate=k` steps every k micro-batches of
-    data.batch_size samples, with the loss scaled by 1/k (MMEngine's accumulative_counts)."""
+    """The keys every optim option has.
+
+    accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
+                 (MMEngine's accumulative_counts, Lightning's accumulate_grad_batches).
+    in_backward: step each parameter as soon as its gradient is complete (StepInBackward).
+    """
 
     lr: float
     accumulate: int = 1
+    in_backward: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -24,36 +75,92 @@ class OptimizerChoice:
             raise ValueError(
                 f"optim.accumulate={self.accumulate}: must be >= 1 (1 means no accumulation)"
             )
+        if self.in_backward and self.accumulate > 1:
+            raise ValueError(
+                f"optim.in_backward=true with optim.accumulate={self.accumulate}: stepping inside "
+                "backward uses each gradient at once, so gradients cannot accumulate over "
+                "micro-batches. Use one or the other."
+            )
 
-    def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+    def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer | StepInBackward:
+        params = list(params)
+        return StepInBackward(params, self.make) if self.in_backward else self.make(params)
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         raise NotImplementedError
 
 
 @dataclass(kw_only=True)
 class SGD(OptimizerChoice):
-    """SGD; momentum 0 keeps no state, momentum > 0 keeps one buffer per parameter."""
+    """SGD: no state without momentum (`sgd`); one buffer per parameter with it (`sgd_momentum`)."""
 
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
 
-    def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.SGD(
-            params, lr=self.lr, momentum=self.momentum, weight_decay=self.weight_decay
-        )
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
+                               weight_decay=self.weight_decay)
 
 
 @dataclass(kw_only=True)
-class AdamW(OptimizerChoice):
-    """AdamW: two state tensors per parameter (8 bytes per fp32 parameter)."""
+class Adam(OptimizerChoice):
+    """Adam: two moments per parameter, 8 bytes per fp32 parameter."""
 
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return torch.optim.Adam
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                      weight_decay=self.weight_decay)
+
+
+@dataclass(kw_only=True)
+class AdamW(Adam):
+    """AdamW (decoupled weight decay): two moments per parameter, 8 bytes per fp32 parameter."""
+
     weight_decay: float = 0.01
 
-    def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(
-            params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-            weight_decay=self.weight_decay,
-        )
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        return torch.optim.AdamW
+
+
+@dataclass(kw_only=True)
+class Adafactor(OptimizerChoice):
+    """torch.optim.Adafactor: the second moment of a 2-D weight is kept as a row and a column
+    vector, (rows + columns) numbers instead of rows x columns; no first moment."""
+
+    lr: float = 1e-2
+    beta2_decay: float = -0.8
+    eps: float = 1e-3
+    d: float = 1.0
+    weight_decay: float = 0.0
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay,
+                                     eps=(None, self.eps), d=self.d,
+                                     weight_decay=self.weight_decay)
+
+
+@dataclass(kw_only=True)
+class AdamW8bit(AdamW):
+    """AdamW with block-quantized 8-bit moments (torchao's AdamW8bit): about 2 bytes of state per
+    parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
+    to 32-bit AdamW, which would measure the wrong thing."""
+
+    def optimizer_class(self) -> type[torch.optim.Optimizer]:
+        try:
+            from torchao.optim import AdamW8bit
+        except Exception as error:  # ImportError, or a torchao built for another torch
+            raise RuntimeError(
+                "optim=adamw_8bit needs torchao's AdamW8bit, which does not import here "
+                f"({type(error).__name__}: {error}). Install a torchao release built for "
+                f"torch {torch.__version__} (pip install torchao), or choose optim=adafactor "
+                "for small optimizer state."
+            ) from error
+        return AdamW8bit

@@ -1,4 +1,8 @@
-"""precision: the dtype of parameters and activations, and how backward and the step are done."""
+"""precision: the dtype of parameters and activations, and how backward and the step are done.
+
+`apply(model)` receives the model on its training device; the per-step hooks are `autocast()`
+(around the forward pass and the loss), `cast_inputs`, `backward(loss)` and `step(optimizer)`.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +14,19 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 
+from memexp.techniques import model_device
+
+DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
 
 class Precision(Protocol):
+    # True when the step needs every gradient at once (loss-scale unscaling, master copies),
+    # which rules out stepping parameters one by one inside backward.
+    needs_all_grads: bool
+
     def apply(self, model: nn.Module) -> nn.Module: ...
 
-    def autocast(self) -> AbstractContextManager:
-        """Around the forward pass and the loss."""
+    def autocast(self) -> AbstractContextManager: ...
 
     def cast_inputs(self, inputs: Tensor) -> Tensor: ...
 
@@ -27,10 +38,32 @@ class Precision(Protocol):
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         """One optimizer step; False when it was skipped (non-finite gradients)."""
 
+    def loss_scale(self) -> float:
+        """The factor gradients carry after backward (1 without loss scaling)."""
+
+
+def half_dtype(name: str, key: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"{key}={name}: choose one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
+    """GradScaler's step; it skips the step on inf/NaN gradients and then lowers the scale."""
+    if not scaler.is_enabled():
+        optimizer.step()
+        return True
+    scale = scaler.get_scale()
+    scaler.step(optimizer)
+    scaler.update()
+    return scaler.get_scale() >= scale
+
 
 @dataclass
 class FP32:
     """Full precision: the baseline the other options are compared with."""
+
+    needs_all_grads = False
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -50,3 +83,117 @@ class FP32:
     def step(self, optimizer: torch.optim.Optimizer) -> bool:
         optimizer.step()
         return True
+
+    def loss_scale(self) -> float:
+        return 1.0
+
+
+@dataclass
+class TF32(FP32):
+    """fp32 storage with TF32 tensor-core math for matmuls and convolutions (NVIDIA Ampere and
+    newer): faster, same memory, about 10 mantissa bits in the products."""
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        device = model_device(model)
+        if device.type != "cuda":
+            raise ValueError(
+                f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
+                f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
+            )
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return model
+
+
+@dataclass
+class Autocast:
+    """Mixed precision: parameters stay fp32, autocast runs matmuls and convolutions in `dtype`.
+    float16 gets a GradScaler with a dynamic loss scale against gradient underflow (`amp`);
+    bfloat16 has fp32's exponent range and needs none (`bf16`)."""
+
+    dtype: str = "float16"
+
+    def __post_init__(self) -> None:
+        self._dtype = half_dtype(self.dtype, "precision.dtype")
+        self.needs_all_grads = self._dtype == torch.float16
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self._device_type = model_device(model).type
+        self._scaler = torch.amp.GradScaler(self._device_type, enabled=self.needs_all_grads)
+        return model
+
+    def autocast(self) -> AbstractContextManager:
+        return torch.autocast(self._device_type, dtype=self._dtype)
+
+    def cast_inputs(self, inputs: Tensor) -> Tensor:
+        return inputs
+
+    def parameters(self, model: nn.Module) -> Iterable[Tensor]:
+        return model.parameters()
+
+    def backward(self, loss: Tensor) -> None:
+        self._scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return scaled_step(self._scaler, optimizer)
+
+    def loss_scale(self) -> float:
+        return self._scaler.get_scale() if self._scaler.is_enabled() else 1.0
+
+
+@dataclass
+class Pure:
+    """The source's `model.half()`: parameters, buffers, inputs and activations all in `dtype`.
+
+    With `master_weights=true` the optimizer updates an fp32 copy of every parameter and the
+    result is copied back, since a half-precision update loses small steps to rounding; float16
+    then also gets a dynamic loss scale (the classic fp16 recipe). Without master weights the
+    update happens in half precision, as in the source."""
+
+    dtype: str = "float16"
+    master_weights: bool = False
+
+    def __post_init__(self) -> None:
+        self._dtype = half_dtype(self.dtype, "precision.dtype")
+        self.needs_all_grads = self.master_weights
+        self._pairs: list[tuple[Tensor, Tensor]] = []
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        model = model.to(self._dtype)
+        self._scaler = torch.amp.GradScaler(
+            model_device(model).type,
+            enabled=self.master_weights and self._dtype == torch.float16,
+        )
+        return model
+
+    def autocast(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def cast_inputs(self, inputs: Tensor) -> Tensor:
+        return inputs.to(self._dtype) if inputs.is_floating_point() else inputs
+
+    def parameters(self, model: nn.Module) -> Iterable[Tensor]:
+        if not self.master_weights:
+            return model.parameters()
+        self._pairs = [(p, p.detach().float()) for p in model.parameters() if p.requires_grad]
+        return [master for _, master in self._pairs]
+
+    def backward(self, loss: Tensor) -> None:
+        self._scaler.scale(loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+        if not self.master_weights:
+            optimizer.step()
+            return True
+        for param, master in self._pairs:
+            if param.grad is not None:
+                master.grad = param.grad.float()
+                param.grad = None  # one half-precision gradient less, as soon as it is copied
+        stepped = scaled_step(self._scaler, optimizer)
+        with torch.no_grad():
+            for param, master in self._pairs:
+                param.copy_(master)
+        return stepped
+
+    def loss_scale(self) -> float:
+        return self._scaler.get_scale() if self._scaler.is_enabled() else 1.0

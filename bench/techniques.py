@@ -1,0 +1,204 @@
+"""Every technique against its baseline, on the ResNet and on the transformer, on CPU.
+
+For each row:
+- peak bytes and activation bytes (the meter's overall peak and its running peak of live
+  activations), over two training steps, and their ratios to the model's baseline row;
+- the step-time ratio to the baseline: every row's steps are interleaved round-robin (the order
+  rotating each round) and compared by their medians, since CPU wall time drifts too much here
+  for anything else;
+- gradient bytes at their own peak, and the optimizer state after a step;
+- the correctness error: the first step's gradients (unscaled, for loss-scaled precision)
+  against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
+  together. Optimizers and BatchNorm variants differ by design; they show "-".
+
+    python bench/techniques.py [--model resnet|transformer|all] [--rounds 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from memexp.config import config_dir
+from memexp.trainer import Trainer
+
+MIB = 2**20
+
+MODELS = {
+    # ResNet-18 at width 32, batch 32: the model MMEngine's fold was measured on.
+    "resnet": ("model=resnet", "model.width=32", "data.batch_size=32", "optim=sgd"),
+    # Eight layers: one recomputed block is then an eighth of the model. (model=transformer
+    # brings optim=adamw; plain SGD keeps every row one change away from the baseline.)
+    "transformer": ("model=transformer", "model.n_layers=8", "data.batch_size=16", "optim=sgd"),
+}
+
+
+BASELINE = "baseline: fp32, none, sgd"
+
+
+@dataclass
+class Row:
+    name: str
+    overrides: tuple[str, ...]
+    ref: str | None = BASELINE  # the row whose gradients this one should match
+
+
+def rows_for(model: str) -> list[Row]:
+    rows = [
+        Row(BASELINE, ()),
+        Row("precision=amp", ("precision=amp",)),
+        Row("precision=bf16", ("precision=bf16",)),
+        Row("precision=bf16_pure", ("precision=bf16_pure",)),
+        Row("precision=fp16_pure master_weights", ("precision=fp16_pure",
+                                                   "precision.master_weights=true")),
+        Row("checkpointing=full", ("checkpointing=full",)),
+        Row("checkpointing=selective every=2", ("checkpointing=selective",)),
+        Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)),
+        Row("checkpointing=offload", ("checkpointing=offload",)),
+        Row("optim=sgd_momentum", ("optim=sgd_momentum",), ref=None),
+        Row("optim=adamw", ("optim=adamw",), ref=None),
+        Row("optim=adafactor", ("optim=adafactor",), ref=None),
+        Row("optim=adamw_8bit", ("optim=adamw_8bit",), ref=None),
+        Row("optim=adamw in_backward", ("optim=adamw", "optim.in_backward=true"),
+            ref="optim=adamw"),
+    ]
+    batch = int(next(o for o in MODELS[model] if o.startswith("data.batch_size")).split("=")[1])
+    rows.append(Row("optim.accumulate=4 (batch/4)",
+                    ("optim.accumulate=4", f"data.batch_size={batch // 4}")))
+    if model == "resnet":
+        rows += [
+            Row("bn_mode=eval", ("bn_mode=eval",), ref=None),
+            Row("bn_mode=efficient_eval", ("bn_mode=efficient_eval",), ref="bn_mode=eval"),
+            Row("bn_mode=group_norm", ("bn_mode=group_norm",), ref=None),
+            Row("model.inplace=true", ("model.inplace=true",)),
+        ]
+    return rows
+
+
+def compose_row(model: str, row: Row, *extra: str):
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        return compose("train", overrides=["trainer.device=cpu", "trainer.progress=false",
+                                           *MODELS[model], *row.overrides, *extra])
+
+
+def memory_of(model: str, row: Row) -> dict:
+    trainer = Trainer(compose_row(model, row))
+    batches = trainer.data.train_batches()
+    trainer.model.train()
+    with trainer.meter:
+        for _ in range(2):
+            trainer.train_step(batches)
+    return trainer.meter.report()
+
+
+def first_gradients(model: str, row: Row) -> torch.Tensor:
+    trainer = Trainer(compose_row(model, row, "memory.track=false", "optim=sgd",
+                                  "optim.in_backward=false"))
+    trainer.model.train()
+    params = list(trainer.model.parameters())
+    captured: dict[int, torch.Tensor] = {}
+    for index, param in enumerate(params):
+        param.register_post_accumulate_grad_hook(
+            lambda p, index=index: captured.__setitem__(index, p.grad.detach().float().clone()))
+    scale = trainer.precision.loss_scale()  # the step may change it; read it before
+    trainer.train_step(trainer.data.train_batches())
+    return torch.cat([captured[i].flatten() for i in range(len(params))]) / scale
+
+
+def gradient_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def step_times(model: str, rows: list[Row], rounds: int) -> dict[str, float]:
+    """Median step time of every row, the rows' steps interleaved round-robin."""
+    trainers = {row.name: Trainer(compose_row(model, row, "memory.track=false")) for row in rows}
+    streams = {name: t.data.train_batches() for name, t in trainers.items()}
+    times: dict[str, list[float]] = {name: [] for name in trainers}
+    names = list(trainers)
+    for round_ in range(rounds + 1):  # the first round warms up
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for name in order:
+            trainers[name].model.train()
+            started = time.perf_counter()
+            trainers[name].train_step(streams[name])
+            if round_:
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def table(model: str, rounds: int) -> str:
+    rows = rows_for(model)
+    memory = {row.name: memory_of(model, row) for row in rows}
+    # Optimizer-in-backward's step equals the regular one (tested); its gradients are those of
+    # adamw's and are taken with a regular step here.
+    gradients = {row.name: first_gradients(model, row) for row in rows
+                 if row.ref is not None or any(r.ref == row.name for r in rows)}
+    times = step_times(model, rows, rounds)
+    base = memory[rows[0].name]
+    lines = [
+        f"| {model}: technique | peak MiB | x base | activations MiB | x base | grads peak MiB"
+        " | optimizer MiB | step time x base | gradient error vs ref |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        m = memory[row.name]
+        error = "-"
+        if row.ref is not None:
+            error = f"{gradient_error(gradients[row.name], gradients[row.ref]):.1e}"
+            if row.ref != BASELINE:
+                error += f" (vs {row.ref})"
+        peak, activations = m["peak_bytes"], m["activations_peak_bytes"]
+        optimizer = m["phases"]["optimizer"]["breakdown"]["optimizer"]
+        lines.append(
+            f"| {row.name} | {peak / MIB:.1f} | {peak / base['peak_bytes']:.2f}"
+            f" | {activations / MIB:.1f} | {activations / base['activations_peak_bytes']:.2f}"
+            f" | {m['grads_peak_bytes'] / MIB:.1f} | {optimizer / MIB:.1f}"
+            f" | {times[row.name] / times[rows[0].name]:.2f} | {error} |"
+        )
+    lines.append(f"\nbaseline step time {times[rows[0].name] * 1e3:.0f} ms (median of {rounds}); "
+                 f"overrides: {' '.join(MODELS[model])}")
+    return "\n".join(lines)
+
+
+def fold_table() -> str:
+    """Efficient Conv-BN eval against eval on the CIFAR ResNet-18 (width 64), at batch 8 and 32:
+    the bytes saved for backward (what the anchors measured) and the running activation peak."""
+    lines = ["| ResNet-18 w64 | eval saved MiB | efficient_eval saved MiB | ratio"
+             " | activations peak ratio | total peak ratio |", "|---|---|---|---|---|---|"]
+    for batch in (8, 32):
+        reports = [memory_of("resnet", Row(mode, (f"bn_mode={mode}", "model.width=64",
+                                                  f"data.batch_size={batch}")))
+                   for mode in ("eval", "efficient_eval")]
+        saved = [r["saved_activations_bytes"] for r in reports]
+        peaks = [r["activations_peak_bytes"] for r in reports]
+        totals = [r["peak_bytes"] for r in reports]
+        lines.append(f"| batch {batch} | {saved[0] / MIB:.1f} | {saved[1] / MIB:.1f} | "
+                     f"{saved[1] / saved[0]:.2f} | {peaks[1] / peaks[0]:.2f} | "
+                     f"{totals[1] / totals[0]:.2f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawTextHelpFormatter)
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
+    parser.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    warnings.filterwarnings("ignore")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    for model in MODELS if args.model == "all" else [args.model]:
+        print()
+        print(table(model, args.rounds))
+    if args.model in ("resnet", "all"):
+        print()
+        print(fold_table())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""checkpointing: same gradients as `none`, BatchNorm updated once, and the memory it saves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from memexp.trainer import Trainer
+
+from conftest import compose_train, first_step_gradients, max_relative_error, step_memory
+
+# Dropout on, so a recomputation that drew new random numbers would change the gradients.
+TRANSFORMER = ("model=transformer", "model.n_layers=4", "model.dropout=0.1", "data.batch_size=8")
+# BatchNorm in train mode, recomputed in backward.
+RESNET = ("model=resnet", "model.width=8", "data.batch_size=8")
+VARIANTS = [
+    ["checkpointing=full"],
+    ["checkpointing=selective", "checkpointing.every=2"],
+    ["checkpointing=modules", "checkpointing.modules=[blocks.1,blocks.3]"],
+    ["checkpointing=sequential", "checkpointing.segments=2"],
+    ["checkpointing=offload"],
+]
+
+
+@pytest.mark.parametrize("model", [TRANSFORMER, RESNET], ids=["transformer", "resnet"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: v[0].split("=")[1])
+def test_same_gradients_as_no_checkpointing(model, variant):
+    _, baseline = first_step_gradients(*model)
+    _, checkpointed = first_step_gradients(*model, *variant)
+    assert max_relative_error(checkpointed, baseline) <= 1e-6
+
+
+def running_statistics(trainer: Trainer) -> list[torch.Tensor]:
+    return [buffer.clone() for module in trainer.model.modules() if isinstance(module, _BatchNorm)
+            for buffer in (module.running_mean, module.running_var, module.num_batches_tracked)]
+
+
+@pytest.mark.parametrize("variant", [v for v in VARIANTS if "offload" not in v[0]],
+                         ids=lambda v: v[0].split("=")[1])
+def test_batchnorm_running_statistics_are_updated_exactly_once(variant):
+    baseline, _ = first_step_gradients(*RESNET)
+    checkpointed, _ = first_step_gradients(*RESNET, *variant)
+    for kept, expected in zip(running_statistics(checkpointed), running_statistics(baseline),
+                              strict=True):
+        assert torch.equal(kept, expected)
+    counts = [m.num_batches_tracked.item() for m in checkpointed.model.modules()
+              if isinstance(m, _BatchNorm)]
+    assert counts and set(counts) == {1}
+
+
+def test_unknown_module_name_lists_the_valid_ones():
+    with pytest.raises(ValueError) as raised:
+        Trainer(compose_train(*RESNET, "checkpointing=modules", "checkpointing.modules=[layer9]"))
+    message = str(raised.value)
+    assert "checkpointing.modules" in message and "layer9" in message
+    assert "blocks.0" in message and "stem" in message
+
+
+def test_nested_module_names_and_an_empty_list_are_refused():
+    with pytest.raises(ValueError, match="'blocks.1' is inside 'blocks'"):
+        Trainer(compose_train(*RESNET, "checkpointing=modules",
+                              "checkpointing.modules=[blocks,blocks.1]"))
+    with pytest.raises(ValueError, match="needs the modules to checkpoint"):
+        Trainer(compose_train(*RESNET, "checkpointing=modules", "checkpointing.modules=[]"))
+
+
+def test_block_options_need_the_blocks_contract():
+    with pytest.raises(TypeError, match="no `blocks` nn.Sequential"):
+        Trainer(compose_train("model=custom", "model._target_=torch.nn.Flatten",
+                              "checkpointing=full"))
+
+
+@pytest.mark.parametrize("segments", [0, 9])
+def test_sequential_segments_must_fit_the_blocks(segments):
+    with pytest.raises(ValueError, match="checkpointing.segments"):
+        Trainer(compose_train(*RESNET, "checkpointing=sequential",
+                              f"checkpointing.segments={segments}"))
+
+
+# -- effect: the meter's activation bytes --------------------------------------------------------
+# Eight layers: at the backward peak, full checkpointing holds every block's input plus one
+# block recomputed, so the ratio tends to 1/n_layers plus a little. At the default four layers
+# it is about 0.28 (see BENCHMARKS.md).
+DEEP_TRANSFORMER = ("model=transformer", "model.n_layers=8", "data.batch_size=16")
+
+
+def test_full_checkpointing_keeps_at_most_a_fifth_of_the_activations():
+    none = step_memory(*DEEP_TRANSFORMER)["activations_peak_bytes"]
+    full = step_memory(*DEEP_TRANSFORMER, "checkpointing=full")["activations_peak_bytes"]
+    selective = step_memory(*DEEP_TRANSFORMER, "checkpointing=selective",
+                       "checkpointing.every=2")["activations_peak_bytes"]
+    assert full <= 0.20 * none
+    assert full < selective < none
+
+
+def test_offload_leaves_no_saved_activation_on_the_device():
+    none = step_memory(*DEEP_TRANSFORMER)
+    offload = step_memory(*DEEP_TRANSFORMER, "checkpointing=offload")
+    saved = none["saved_activations_bytes"]
+    # What autograd keeps for backward now lives on the host: only the 4-byte loss stays.
+    assert offload["saved_activations_bytes"] <= 0.01 * saved
+    assert offload["offloaded_peak_bytes"] == pytest.approx(saved, rel=0.10)
+    assert offload["activations_peak_bytes"] < 0.5 * none["activations_peak_bytes"]
+    # The host copies are their own category, outside the device peak.
+    forward = offload["phases"]["forward"]
+    assert forward["breakdown"]["offloaded"] > 0
+    assert forward["peak_bytes"] == sum(v for k, v in forward["breakdown"].items()
+                                        if k != "offloaded")
