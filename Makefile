@@ -19,8 +19,8 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into it
 
-run: install ## the main job: train the default model on the embedded defaults
-	$(PY) train.py
+run: install ## the main job: a quick comparison sweep on the embedded defaults (experiment=quick)
+	$(PY) train.py -m experiment=quick
 
 train: install ## a single run with your overrides, e.g. make train ARGS='precision=fp32'
 	$(PY) train.py $(ARGS)

@@ -7,11 +7,13 @@ from pathlib import Path
 
 import hydra
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from memexp.config import config_dir
+from memexp.loggers import NoLogger, RunInfo
 from memexp.result import RunRecord, summary
-from memexp.trainer import Trainer, device_name
+from memexp.trainer import Trainer, build, device_name
 
 log = logging.getLogger("memexp")
 
@@ -24,12 +26,18 @@ def run(cfg: DictConfig) -> dict:
         run_dir / "result.json",
         config=OmegaConf.to_container(cfg, resolve=True),
         choices=dict(hydra_cfg.runtime.choices),
+        overrides=list(hydra_cfg.overrides.task),
     )
-    logger = hydra.utils.instantiate(cfg.logger)
+    # A sweep's jobs share a group: the sweep folder's name.
+    multirun = hydra_cfg.mode == RunMode.MULTIRUN
+    group = Path(hydra_cfg.sweep.dir).name if multirun else run_dir.name
+    logger = NoLogger()  # until the configured one is built, inside the record's try
     try:
+        logger = build(cfg.logger)
+        record.payload["logger"] = logger.start(RunInfo(
+            run_dir, record.payload["config"], record.payload["techniques"], group))
         trainer = Trainer(cfg)
         record.payload["env"]["device_name"] = device_name(trainer.device)
-        logger.start(run_dir, record.payload["config"], record.payload["techniques"])
         metrics = trainer.fit(logger)
         record.finish("ok", memory=trainer.meter.report(), metrics=trainer.summary_metrics(metrics))
     except BaseException as error:

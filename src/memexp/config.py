@@ -15,7 +15,7 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING
@@ -64,9 +64,17 @@ class MemoryConfig:
 
 
 @dataclass
+class ReportConfig:
+    # a device size such as 12GiB or 16GB: the sweep report names the fastest and the most
+    # accurate configs that fit in it
+    budget: Optional[str] = None  # noqa: UP045 (OmegaConf needs Optional)
+
+
+@dataclass
 class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     # the groups: each holds one option, built from its `_target_`
     data: Any = MISSING
     model: Any = MISSING
@@ -90,7 +98,7 @@ GROUP_TARGETS: dict[str, tuple] = {
     "parallel": (parallel.NoParallel,),
     "bn_mode": (bn_mode.TrainBN, bn_mode.EvalBN, bn_mode.EfficientEvalBN, bn_mode.SyncBN,
                 bn_mode.GroupNormBN),
-    "logger": (loggers.NoLogger, loggers.CsvLogger),
+    "logger": (loggers.NoLogger, loggers.CsvLogger, loggers.WandbLogger),
 }
 
 

@@ -1,34 +1,61 @@
-"""Loggers: where per-step metrics and the run summary go. `logger=none` is the null object."""
+"""Loggers: where per-step metrics and the run summary go. `logger=none` is the null object.
+
+A logger's failure never fails a run: training results are in result.json either way.
+"""
 
 from __future__ import annotations
 
 import csv
+import logging
+import netrc
+import os
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+from urllib.parse import urlparse
+
+log = logging.getLogger("memexp")
+
+
+@dataclass
+class RunInfo:
+    run_dir: Path
+    config: dict  # the resolved config, as plain containers
+    techniques: dict[str, str | None]
+    group: str  # the sweep's id (its folder name), or the run's for a single run
 
 
 class Logger(Protocol):
-    def start(self, run_dir: Path, config: dict, techniques: dict[str, str]) -> None: ...
+    def start(self, run: RunInfo) -> dict:
+        """Begin; returns what to record in result.json about this logger."""
 
-    def log(self, step: int, metrics: dict[str, float]) -> None: ...
+    def log(self, step: int, metrics: dict[str, float | None]) -> None: ...
 
-    def finish(self, summary: dict, exit_code: int) -> None: ...
+    def finish(self, result: dict, exit_code: int) -> None: ...
+
+    def report(self, sweep_dir: Path, report) -> None:
+        """The end-of-sweep comparison (a memexp.report.Report)."""
 
 
 class NoLogger:
-    """Logs nothing; result.json is still written."""
+    """Logs nothing; result.json and the sweep report are still written."""
 
-    def start(self, run_dir: Path, config: dict, techniques: dict[str, str]) -> None:
+    def start(self, run: RunInfo) -> dict:
+        return {}
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
         pass
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def finish(self, result: dict, exit_code: int) -> None:
         pass
 
-    def finish(self, summary: dict, exit_code: int) -> None:
+    def report(self, sweep_dir: Path, report) -> None:
         pass
 
 
-class CsvLogger:
+class CsvLogger(NoLogger):
     """Per-step metrics as rows of `<run dir>/<filename>`."""
 
     def __init__(self, filename: str = "metrics.csv"):
@@ -36,10 +63,12 @@ class CsvLogger:
         self._file = None
         self._writer: csv.DictWriter | None = None
 
-    def start(self, run_dir: Path, config: dict, techniques: dict[str, str]) -> None:
-        self._file = open(run_dir / self.filename, "w", newline="")  # noqa: SIM115
+    def start(self, run: RunInfo) -> dict:
+        path = run.run_dir / self.filename
+        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed in finish)
+        return {"csv": str(path)}
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
         row = {"step": step, **metrics}
         if self._writer is None:
             self._writer = csv.DictWriter(self._file, fieldnames=list(row))
@@ -47,6 +76,138 @@ class CsvLogger:
         self._writer.writerow(row)
         self._file.flush()
 
-    def finish(self, summary: dict, exit_code: int) -> None:
+    def finish(self, result: dict, exit_code: int) -> None:
         if self._file is not None:
             self._file.close()
+
+
+def wandb_host() -> str:
+    return os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai").rstrip("/")
+
+
+def logged_in_to_wandb() -> bool:
+    """An API key in the environment, or in ~/.netrc where `wandb login` keeps it."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    try:
+        return netrc.netrc().authenticators(urlparse(wandb_host()).hostname or "") is not None
+    except (FileNotFoundError, netrc.NetrcParseError):
+        return False
+
+
+def reachable(url: str, timeout: float) -> str | None:
+    """None if the server answers at all (any HTTP status); otherwise why not."""
+    try:
+        urllib.request.urlopen(f"{url}/healthz", timeout=timeout).close()
+    except urllib.error.HTTPError:
+        return None
+    except (urllib.error.URLError, OSError) as error:
+        return f"{url} unreachable ({getattr(error, 'reason', error)})"
+    return None
+
+
+def job_type(techniques: dict[str, str | None]) -> str:
+    return "/".join(str(v) for v in techniques.values())
+
+
+def summary_of(result: dict) -> dict:
+    """The peak breakdown and the headline metrics, flat, for a run's summary."""
+    memory, metrics = result.get("memory") or {}, result.get("metrics") or {}
+    flat = {"status": result.get("status"), "peak_bytes": memory.get("peak_bytes"),
+            "peak_phase": memory.get("peak_phase")}
+    for category, nbytes in (memory.get("breakdown_at_peak") or {}).items():
+        flat[f"peak/{category}_bytes"] = nbytes
+    for key in ("eval_accuracy", "final_loss", "throughput", "step_time_s", "skipped_steps"):
+        flat[key] = metrics.get(key)
+    return {k: v for k, v in flat.items() if v is not None}
+
+
+class WandbLogger:
+    """One wandb run per job, grouped by sweep.
+
+    mode=auto (the default) is offline unless you are logged in (WANDB_API_KEY, or `wandb
+    login`), and WANDB_MODE, when set, wins. Before going online the server is probed with a
+    short HTTP request, and online init gets `init_timeout` seconds: a server that refuses or
+    never answers means an offline run, never a failed job, and result.json says why. Only
+    rank 0 logs.
+    """
+
+    def __init__(self, project: str = "memexp", entity: str | None = None, mode: str = "auto",
+                 init_timeout: float = 15.0, probe_timeout: float = 3.0):
+        modes = ("auto", "offline", "online", "disabled")
+        if mode not in modes:
+            raise ValueError(f"logger.mode={mode}: choose one of {list(modes)}")
+        self.project, self.entity, self.mode = project, entity, mode
+        self.init_timeout, self.probe_timeout = init_timeout, probe_timeout
+        self._run = None
+
+    def resolve_mode(self) -> tuple[str, str]:
+        """(mode, why) for this process."""
+        mode, why = self.mode, f"logger.mode={self.mode}"
+        if mode == "auto":
+            env = os.environ.get("WANDB_MODE")
+            if env:
+                mode, why = ("offline" if env == "dryrun" else env), f"WANDB_MODE={env}"
+            elif logged_in_to_wandb():
+                mode, why = "online", "logged in"
+            else:
+                mode, why = "offline", "not logged in"
+        if mode == "online":
+            problem = reachable(wandb_host(), self.probe_timeout)
+            if problem:
+                mode, why = "offline", problem
+        return mode, why
+
+    def _init(self, mode: str, run: RunInfo, **extra):
+        import wandb
+
+        return wandb.init(
+            project=self.project, entity=self.entity, mode=mode, group=run.group,
+            config=run.config, dir=str(run.run_dir),
+            settings=wandb.Settings(init_timeout=self.init_timeout, silent=True), **extra,
+        )
+
+    def start(self, run: RunInfo, **extra) -> dict:
+        if int(os.environ.get("RANK", "0")) != 0:
+            return {"wandb": {"mode": "disabled", "why": "only rank 0 logs"}}
+        mode, why = self.resolve_mode()
+        if mode == "disabled":
+            return {"wandb": {"mode": mode, "why": why}}
+        extra = {"job_type": job_type(run.techniques),
+                 "tags": [f"{k}={v}" for k, v in run.techniques.items()], **extra}
+        try:
+            self._run = self._init(mode, run, **extra)
+        except Exception as error:  # a server problem must never fail the job
+            if mode == "offline":
+                log.warning("wandb: offline init failed (%s); logging nothing", error)
+                return {"wandb": {"mode": "disabled", "why": f"offline init failed: {error}"}}
+            mode, why = "offline", f"online init failed: {type(error).__name__}: {error}"
+            self._run = self._init(mode, run, **extra)
+        log.info("wandb: %s run %s (%s) in %s", mode, self._run.id, why, self._run.dir)
+        return {"wandb": {"mode": mode, "why": why, "run_id": self._run.id,
+                          "dir": str(self._run.dir)}}
+
+    def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        if self._run is not None:
+            self._run.log({k: v for k, v in metrics.items() if v is not None}, step=step)
+
+    def finish(self, result: dict, exit_code: int) -> None:
+        if self._run is not None:
+            self._run.summary.update(summary_of(result))
+            self._run.finish(exit_code=exit_code)
+            self._run = None
+
+    def report(self, sweep_dir: Path, report) -> None:
+        """The comparison table as a wandb Table, in a `report` run of the sweep's group."""
+        import wandb
+
+        from memexp.report import COLUMNS, csv_record
+
+        self.start(RunInfo(sweep_dir, {}, {}, sweep_dir.name), job_type="report",
+                   tags=["report"])
+        if self._run is not None:
+            records = [csv_record(row) for row in report.rows]
+            table = wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in records])
+            self._run.log({"comparison": table})
+            self._run.finish()
+            self._run = None

@@ -22,7 +22,7 @@ CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offlo
 
 
 def now() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
@@ -40,12 +40,13 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 
 class RunRecord:
-    def __init__(self, path: Path, config: dict, choices: dict[str, str]):
+    def __init__(self, path: Path, config: dict, choices: dict[str, str], overrides: list[str]):
         self.path = path
         self.payload: dict = {
             "status": "running",
             "error": None,
             "techniques": {group: choices.get(group) for group in GROUPS},
+            "overrides": overrides,
             "memory": None,
             "metrics": None,
             "config": config,
@@ -68,8 +69,25 @@ class RunRecord:
         write_json_atomic(self.path, self.payload)
 
 
+def record_killed(path: Path, overrides: list[str], reason: str) -> None:
+    """Record a job killed outright (SIGKILL, the host's OOM killer): it wrote at most its
+    "running" record. A record already final is left alone (the kill came after it)."""
+    payload = json.loads(path.read_text()) if path.exists() else {
+        "techniques": {group: next((o.split("=", 1)[1] for o in overrides
+                                    if o.startswith(f"{group}=")), None) for group in GROUPS},
+        "overrides": overrides, "memory": None, "metrics": None, "started_at": None,
+    }
+    if payload.get("status", "running") != "running":
+        return
+    payload.update(status="killed", error=reason, finished_at=now())
+    write_json_atomic(path, payload)
+
+
 def mib(nbytes: int | None) -> str:
-    return "n/a" if nbytes is None else f"{nbytes / 2**20:.1f} MiB"
+    """A size for people: GiB from 1 GiB up, else MiB."""
+    if nbytes is None:
+        return "n/a"
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
 def summary(result: dict, run_dir: Path | str) -> str:

@@ -1,0 +1,1 @@
+"""memexp's Hydra launchers: hydra-submitit-launcher's, made to survive their own jobs."""

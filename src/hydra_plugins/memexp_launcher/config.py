@@ -1,0 +1,28 @@
+"""Launcher configs: submitit's own (every key of submitit_local / submitit_slurm works the same),
+plus `parallel_jobs`. Registered as hydra/launcher=memexp_local and memexp_slurm; conf/ names
+them `local` and `slurm`."""
+
+from dataclasses import dataclass
+
+from hydra.core.config_store import ConfigStore
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf, SlurmQueueConf
+
+
+@dataclass
+class MemexpLocalConf(LocalQueueConf):
+    _target_: str = "hydra_plugins.memexp_launcher.launcher.LocalLauncher"
+    # how many jobs run at once; 1 keeps memory and speed measurements from sharing a machine
+    parallel_jobs: int = 1
+
+
+@dataclass
+class MemexpSlurmConf(SlurmQueueConf):
+    _target_: str = "hydra_plugins.memexp_launcher.launcher.SlurmLauncher"
+    # how many array tasks run at once (SLURM's array parallelism); 1 runs them one by one
+    parallel_jobs: int = 1
+
+
+ConfigStore.instance().store(group="hydra/launcher", name="memexp_local",
+                             node=MemexpLocalConf(), provider="memexp")
+ConfigStore.instance().store(group="hydra/launcher", name="memexp_slurm",
+                             node=MemexpSlurmConf(), provider="memexp")

@@ -1,0 +1,337 @@
+"""The comparison report of a sweep folder: a table, plots, and the best configs under a budget.
+
+Reads every `<sweep>/<job>/result.json` there is, so it works on a finished, partial or running
+sweep alike. Writes `report.md`, `report.csv` and three PNG plots into the sweep folder. Runs by
+itself at the end of every sweep (`ReportCallback`) and on demand (`memexp report <sweep>`).
+
+Ratios compare techniques on the same workload: rows whose varying overrides differ only in
+technique settings (the technique groups and their keys, model.inplace, memory.*) share a
+baseline, the first that succeeded with precision=fp32, checkpointing=none and bn_mode=train,
+else their first successful row.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+from hydra.utils import instantiate
+from omegaconf import DictConfig
+
+from memexp.result import CATEGORY_ORDER, GROUPS, mib
+
+log = logging.getLogger("memexp")
+MIB = 2**20
+UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+BASELINE = {"precision": "fp32", "checkpointing": "none", "bn_mode": "train"}
+
+
+def parse_size(text: str, key: str = "report.budget") -> int:
+    """'12GiB', '16GB', '500 MiB', or a number of bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = (match.group(2) or "b").lower() if match else None
+    if unit not in UNITS:
+        raise ValueError(f"{key}={text}: expected a size such as 12GiB, 16GB or 500MiB "
+                         f"(units: {', '.join(sorted(UNITS, key=UNITS.get))})")
+    return int(float(match.group(1)) * UNITS[unit])
+
+
+def is_technique_key(key: str) -> bool:
+    key = key.lstrip("+~")
+    return key.split(".")[0] in (*GROUPS, "memory") or key == "model.inplace"
+
+
+@dataclass
+class Row:
+    job: str
+    result: dict
+    label: str = ""
+    workload: tuple = ()
+    memory_ratio: float | None = None
+    step_time_ratio: float | None = None
+
+    @property
+    def status(self) -> str:
+        return self.result.get("status", "unknown")
+
+    @property
+    def memory(self) -> dict:
+        return self.result.get("memory") or {}
+
+    @property
+    def metrics(self) -> dict:
+        return self.result.get("metrics") or {}
+
+    @property
+    def peak(self) -> int | None:
+        return self.memory.get("peak_bytes")
+
+    @property
+    def device_peak(self) -> int | None:
+        """What must fit on the device: reserved memory on CUDA, live bytes elsewhere."""
+        return self.memory.get("reserved_peak_bytes") or self.peak
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok" and self.peak is not None
+
+
+def job_folders(sweep_dir: Path) -> list[Path]:
+    def order(path: Path):
+        return (0, int(path.name)) if path.name.isdigit() else (1, path.name)
+
+    return sorted((p.parent for p in sweep_dir.glob("*/result.json")), key=order)
+
+
+def load_rows(sweep_dir: Path) -> list[Row]:
+    rows = [Row(folder.name, json.loads((folder / "result.json").read_text()))
+            for folder in job_folders(sweep_dir)]
+    describe_rows(rows)
+    add_ratios(rows)
+    return rows
+
+
+def describe_rows(rows: list[Row]) -> None:
+    """Each row's label (the overrides whose values differ across the sweep) and workload
+    (those of them that are not technique settings)."""
+    parsed = [dict(o.split("=", 1) for o in row.result.get("overrides", []) if "=" in o)
+              for row in rows]
+    keys = sorted({k for p in parsed for k in p})
+    varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
+    for row, overrides in zip(rows, parsed, strict=True):
+        row.label = " ".join(f"{k}={overrides[k]}" for k in varying if k in overrides) or "-"
+        row.workload = tuple((k, overrides.get(k)) for k in varying if not is_technique_key(k))
+
+
+def add_ratios(rows: list[Row]) -> None:
+    for workload in {row.workload for row in rows}:
+        mine = [row for row in rows if row.workload == workload and row.ok]
+        if not mine:
+            continue
+        base = next((row for row in mine if all(row.result["techniques"].get(group) == option
+                                                 for group, option in BASELINE.items())), mine[0])
+        for row in mine:
+            row.memory_ratio = row.peak / base.peak
+            step, base_step = row.metrics.get("step_time_s"), base.metrics.get("step_time_s")
+            if step and base_step:
+                row.step_time_ratio = step / base_step
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[int]:
+    """Indices of the points no other point beats on both: lower x (memory), higher y."""
+    front = []
+    for i, (x, y) in enumerate(points):
+        beaten = any((ox <= x and oy >= y) and (ox < x or oy > y)
+                     for j, (ox, oy) in enumerate(points) if j != i)
+        if not beaten:
+            front.append(i)
+    return sorted(front, key=lambda i: points[i][0])
+
+
+@dataclass
+class BudgetPick:
+    budget: int
+    fitting: list[Row] = field(default_factory=list)
+    fastest: Row | None = None
+    most_accurate: Row | None = None
+
+
+def speed(row: Row, rows: list[Row]) -> float:
+    """Throughput where the sweep has one unit; otherwise speed against the row's baseline."""
+    units = {r.metrics.get("throughput_unit") for r in rows if r.ok}
+    if len(units) == 1:
+        return row.metrics.get("throughput") or 0.0
+    return 1 / row.step_time_ratio if row.step_time_ratio else 0.0
+
+
+def pick(rows: list[Row], budget: int) -> BudgetPick:
+    fitting = [row for row in rows if row.ok and row.device_peak <= budget]
+    choice = BudgetPick(budget, fitting)
+    if fitting:
+        choice.fastest = max(fitting, key=lambda r: speed(r, rows))
+        scored = [r for r in fitting if r.metrics.get("eval_accuracy") is not None]
+        choice.most_accurate = max(scored, key=lambda r: r.metrics["eval_accuracy"], default=None)
+    return choice
+
+
+# -- writing -------------------------------------------------------------------------------------
+COLUMNS = ["job", "config", "status", *GROUPS, "peak_mib",
+           *[f"{c}_mib" for c in CATEGORY_ORDER], "memory_x_base", "step_time_x_base",
+           "throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s", "error"]
+
+
+def csv_record(row: Row) -> dict:
+    breakdown = row.memory.get("breakdown_at_peak") or {}
+    error = (row.result.get("error") or "").strip().splitlines()
+    record = {"job": row.job, "config": row.label, "status": row.status,
+              **{g: row.result.get("techniques", {}).get(g) for g in GROUPS},
+              "peak_mib": row.peak / MIB if row.peak is not None else None,
+              **{f"{c}_mib": breakdown[c] / MIB if c in breakdown else None
+                 for c in CATEGORY_ORDER},
+              "memory_x_base": row.memory_ratio, "step_time_x_base": row.step_time_ratio,
+              "error": error[-1] if error else None}
+    for key in ("throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s"):
+        record[key] = row.metrics.get(key)
+    return record
+
+
+def fmt(value, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+def markdown_table(rows: list[Row]) -> str:
+    lines = ["| job | config | status | peak MiB | params | grads | optimizer | activations "
+             "| other | memory x base | step time x base | throughput | eval acc | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for row in rows:
+        r = csv_record(row)
+        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}"
+                      if r["throughput"] is not None else "-")
+        lines.append(
+            f"| {row.job} | {row.label} | {row.status} | {fmt(r['peak_mib'], 1)} | "
+            + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:5])
+            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])} | {throughput} | "
+            f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
+    return "\n".join(lines)
+
+
+def budget_lines(choice: BudgetPick, rows: list[Row]) -> list[str]:
+    lines = [f"Budget {mib(choice.budget)}: {len(choice.fitting)} of {sum(r.ok for r in rows)} "
+             "successful configs fit (peak reserved on CUDA, peak live bytes elsewhere)."]
+    if choice.fastest is not None:
+        lines.append(f"- fastest that fits: job {choice.fastest.job} ({choice.fastest.label}), "
+                     f"peak {mib(choice.fastest.device_peak)}")
+    if choice.most_accurate is not None:
+        accuracy = choice.most_accurate.metrics["eval_accuracy"]
+        lines.append(f"- most accurate that fits: job {choice.most_accurate.job} "
+                     f"({choice.most_accurate.label}), eval accuracy {accuracy:.3f}")
+    return lines
+
+
+def plot(rows: list[Row], sweep_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [row for row in rows if row.ok]
+    paths = []
+    labels = [f"{row.job}: {row.label}" for row in done]
+
+    figure, axes = plt.subplots(figsize=(9, 0.45 * len(done) + 1.5))
+    left = [0.0] * len(done)
+    for category in CATEGORY_ORDER[:5]:
+        values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
+                  for row in done]
+        axes.barh(labels, values, left=left, label=category)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    axes.invert_yaxis()
+    axes.set_xlabel("MiB at the peak")
+    axes.set_title("Memory at the peak, by category")
+    axes.legend(loc="lower right", fontsize="small")
+    figure.tight_layout()
+    paths.append(sweep_dir / "memory_breakdown.png")
+    figure.savefig(paths[-1], dpi=110)
+    plt.close(figure)
+
+    units = {row.metrics.get("throughput_unit") for row in done}
+    speed_label = next(iter(units)) if len(units) == 1 else "speed vs baseline"
+    for name, ylabel, value in (
+        ("memory_vs_throughput.png", speed_label, lambda r: speed(r, rows)),
+        ("memory_vs_accuracy.png", "eval accuracy", lambda r: r.metrics.get("eval_accuracy")),
+    ):
+        points = [(row.peak / MIB, value(row)) for row in done if value(row) is not None]
+        kept = [row for row in done if value(row) is not None]
+        figure, axes = plt.subplots(figsize=(7, 5))
+        axes.scatter([x for x, _ in points], [y for _, y in points], color="tab:blue")
+        for (x, y), row in zip(points, kept, strict=True):
+            axes.annotate(row.job, (x, y), textcoords="offset points", xytext=(4, 4))
+        front = pareto_front(points)
+        axes.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-",
+                  color="tab:red", label="Pareto front (less memory, more " +
+                  ("accuracy)" if "accuracy" in name else "speed)"))
+        axes.set_xlabel("peak memory (MiB)")
+        axes.set_ylabel(ylabel)
+        axes.legend(fontsize="small")
+        figure.tight_layout()
+        paths.append(sweep_dir / name)
+        figure.savefig(paths[-1], dpi=110)
+        plt.close(figure)
+    return paths
+
+
+@dataclass
+class Report:
+    rows: list[Row]
+    table: str
+    markdown: Path
+    csv: Path
+    plots: list[Path]
+    budget: BudgetPick | None = None
+
+    @property
+    def unsuccessful(self) -> list[Row]:
+        return [row for row in self.rows if row.status != "ok"]
+
+
+def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
+    sweep_dir = Path(sweep_dir)
+    rows = load_rows(sweep_dir)
+    table = markdown_table(rows)
+    choice = pick(rows, parse_size(budget)) if budget else None
+    lines = [f"# Sweep {sweep_dir.name}", "", f"{len(rows)} jobs: " + ", ".join(
+        f"{sum(r.status == s for r in rows)} {s}" for s in sorted({r.status for r in rows})),
+        "", table, ""]
+    if choice is not None:
+        lines += [*budget_lines(choice, rows), ""]
+    plots = plot(rows, sweep_dir) if any(row.ok for row in rows) else []
+    lines += [f"![{p.stem}]({p.name})" for p in plots]
+    failures = [row for row in rows if row.status != "ok" and row.result.get("error")]
+    if failures:
+        lines += ["", "## Jobs that did not succeed", ""]
+        lines += [f"- job {row.job} ({row.label}): {row.status}: "
+                  f"{row.result['error'].strip().splitlines()[-1]}" for row in failures]
+    markdown = sweep_dir / "report.md"
+    markdown.write_text("\n".join(lines) + "\n")
+    csv_path = sweep_dir / "report.csv"
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(csv_record(row) for row in rows)
+    return Report(rows, table, markdown, csv_path, plots, choice)
+
+
+def describe(report: Report) -> str:
+    """What a user sees in the terminal at the end of a sweep."""
+    lines = [report.table, ""]
+    if report.budget is not None:
+        lines += [*budget_lines(report.budget, report.rows), ""]
+    lines.append(f"Report: {report.markdown}, {report.csv.name}; plots: "
+                 + (", ".join(p.name for p in report.plots) or "none (no job succeeded)"))
+    return "\n".join(lines)
+
+
+class ReportCallback(Callback):
+    """At the end of every sweep: the report, in the terminal, on disk and in the logger; then a
+    non-zero exit if any job did not succeed."""
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        sweep_dir = Path(str(config.hydra.sweep.dir))
+        report = write_report(sweep_dir, config.report.budget)
+        log.info("\n" + describe(report))
+        instantiate(config.logger).report(sweep_dir, report)
+        if report.unsuccessful:
+            # Hydra turns a callback's exceptions into warnings; SystemExit gets through, so the
+            # sweep's exit code says that some jobs failed.
+            raise SystemExit(
+                f"memexp: {len(report.unsuccessful)} of {len(report.rows)} jobs did not "
+                "succeed: " + ", ".join(f"job {r.job} {r.status}" for r in report.unsuccessful)
+                + f". See {report.markdown}")

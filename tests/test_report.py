@@ -1,0 +1,83 @@
+"""The report's logic: sizes, baselines per workload, the Pareto front and the budget pick.
+(The report of a real sweep is checked in test_sweep.py.)"""
+
+from __future__ import annotations
+
+import pytest
+
+from memexp.report import Row, add_ratios, describe_rows, pareto_front, parse_size, pick
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("12GiB", 12 * GIB), ("16GB", 16 * 10**9), ("500 MiB", 500 * 2**20), ("1024", 1024),
+    ("1.5gib", int(1.5 * GIB)),
+])
+def test_sizes(text, expected):
+    assert parse_size(text) == expected
+
+
+@pytest.mark.parametrize("text", ["lots", "12 apples", "-1GiB", ""])
+def test_bad_sizes_name_the_key_and_the_units(text):
+    with pytest.raises(ValueError, match=r"report.budget=.*expected a size such as 12GiB"):
+        parse_size(text)
+
+
+def test_pareto_front_keeps_what_nothing_beats():
+    points = [(1.0, 1.0), (2.0, 3.0), (3.0, 2.0), (4.0, 4.0), (4.0, 3.5)]
+    assert pareto_front(points) == [0, 1, 3]
+
+
+def result(overrides: list[str], peak: float, step: float, accuracy: float,
+           status: str = "ok", **techniques) -> dict:
+    chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
+              "bn_mode": "train", **techniques}
+    return {"status": status, "overrides": overrides, "techniques": chosen,
+            "memory": {"peak_bytes": int(peak * GIB)} if status == "ok" else None,
+            "metrics": {"step_time_s": step, "eval_accuracy": accuracy, "throughput": 1 / step,
+                        "throughput_unit": "samples/s"} if status == "ok" else None}
+
+
+def rows_of(*results: dict) -> list[Row]:
+    rows = [Row(str(i), r) for i, r in enumerate(results)]
+    describe_rows(rows)
+    add_ratios(rows)
+    return rows
+
+
+def test_ratios_compare_techniques_on_the_same_workload():
+    rows = rows_of(
+        result(["model=resnet", "precision=amp"], 6.0, 0.5, 0.80, precision="amp"),
+        result(["model=resnet", "precision=fp32"], 10.0, 1.0, 0.81),
+        result(["model=mlp", "precision=fp32"], 2.0, 0.2, 0.50),
+        result(["model=mlp", "precision=amp"], 3.0, 0.4, 0.49, precision="amp"),
+    )
+    # the fp32 row is each model's baseline, wherever it stands in the sweep
+    assert [r.memory_ratio for r in rows] == [0.6, 1.0, 1.0, 1.5]
+    assert [r.step_time_ratio for r in rows] == [0.5, 1.0, 1.0, 2.0]
+    assert rows[0].label == "model=resnet precision=amp"
+    assert rows[0].workload == (("model", "resnet"),)
+
+
+def test_without_a_baseline_row_the_first_success_is_the_reference():
+    rows = rows_of(
+        result(["bn_mode=eval"], 4.0, 1.0, 0.1, status="failed", bn_mode="eval"),
+        result(["bn_mode=eval"], 4.0, 1.0, 0.1, bn_mode="eval"),
+        result(["bn_mode=efficient_eval"], 2.0, 0.9, 0.1, bn_mode="efficient_eval"),
+    )
+    assert [r.memory_ratio for r in rows] == [None, 1.0, 0.5]
+
+
+def test_budget_names_the_fastest_and_the_most_accurate_that_fit():
+    rows = rows_of(
+        result(["optim=sgd"], 10.0, 1.0, 0.70),
+        result(["optim=adam"], 11.5, 1.2, 0.90, optim="adam"),
+        result(["optim=adamw"], 13.0, 0.8, 0.95, optim="adamw"),
+        result(["optim=adafactor"], 9.0, 1.1, 0.85, optim="adafactor"),
+    )
+    choice = pick(rows, parse_size("12GiB"))
+    assert [r.job for r in choice.fitting] == ["0", "1", "3"]
+    assert choice.fastest.job == "0"
+    assert choice.most_accurate.job == "1"
+    assert not pick(rows, parse_size("1GiB")).fitting

@@ -1,0 +1,208 @@
+"""Real sweeps through submitit_local, as a user runs them: results, the report, wandb, failures."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import REPO
+from wandb_records import summary as wandb_summary
+
+pytestmark = pytest.mark.slow
+
+TINY_DATA = ["debug=fast", "data.batch_size=8", "data.num_eval=64"]
+TINY = [*TINY_DATA, "model.width=4"]
+TESTS = Path(__file__).resolve().parent
+
+
+def sweep(sweep_dir: Path, *overrides: str, env: dict | None = None,
+          timeout: float = 400) -> subprocess.CompletedProcess:
+    """`python train.py -m ...` in a subprocess; tests/ is importable (for chaos.Chaos)."""
+    environment = {**os.environ, "PYTHONPATH": str(TESTS), "HYDRA_FULL_ERROR": "0"}
+    environment.pop("WANDB_MODE", None)  # the developer's own setting must not leak in
+    environment.update(env or {})
+    return subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+         *overrides],
+        capture_output=True, text=True, timeout=timeout, cwd=sweep_dir.parent, env=environment,
+    )
+
+
+def results(sweep_dir: Path) -> dict[str, dict]:
+    return {p.parent.name: json.loads(p.read_text())
+            for p in sorted(sweep_dir.glob("*/result.json"))}
+
+
+def assert_serial(records: list[dict]) -> None:
+    """Jobs ran one at a time: each started after the previous one finished."""
+    spans = sorted((r["started_at"], r["finished_at"]) for r in records if r.get("started_at"))
+    for (_, finished), (started, _) in zip(spans, spans[1:], strict=False):
+        assert started >= finished
+
+
+@pytest.fixture(scope="module")
+def four_jobs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    sweep_dir = tmp_path_factory.mktemp("sweep") / "four"
+    done = sweep(sweep_dir, *TINY, "logger=wandb", "precision=fp32,bf16",
+                 "checkpointing=none,full")
+    return sweep_dir, done
+
+
+def test_a_four_job_sweep_writes_every_result_and_the_report(four_jobs):
+    sweep_dir, done = four_jobs
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = results(sweep_dir)
+    assert sorted(found) == ["0", "1", "2", "3"]
+    assert all(r["status"] == "ok" for r in found.values())
+    assert {(r["techniques"]["precision"], r["techniques"]["checkpointing"])
+            for r in found.values()} == {("fp32", "none"), ("fp32", "full"), ("bf16", "none"),
+                                         ("bf16", "full")}
+    for name in ("report.md", "report.csv", "memory_breakdown.png", "memory_vs_throughput.png",
+                 "memory_vs_accuracy.png"):
+        assert (sweep_dir / name).stat().st_size > 0
+    assert "| job | config | status | peak MiB" in done.stderr + done.stdout  # printed at the end
+
+
+def test_report_rows_match_the_results(four_jobs):
+    sweep_dir, _ = four_jobs
+    found = results(sweep_dir)
+    with open(sweep_dir / "report.csv") as f:
+        rows = {row["job"]: row for row in csv.DictReader(f)}
+    assert sorted(rows) == sorted(found)
+    for job, result in found.items():
+        row = rows[job]
+        assert row["status"] == result["status"]
+        assert row["precision"] == result["techniques"]["precision"]
+        assert float(row["peak_mib"]) == pytest.approx(result["memory"]["peak_bytes"] / 2**20)
+        assert float(row["eval_accuracy"]) == pytest.approx(result["metrics"]["eval_accuracy"])
+    baseline = next(r for r in rows.values()
+                    if r["precision"] == "fp32" and r["checkpointing"] == "none")
+    assert float(baseline["memory_x_base"]) == 1.0
+    full = next(r for r in rows.values()
+                if r["precision"] == "fp32" and r["checkpointing"] == "full")
+    assert float(full["memory_x_base"]) < 1.0
+
+
+def test_jobs_run_one_at_a_time_by_default(four_jobs):
+    assert_serial(list(results(four_jobs[0]).values()))
+
+
+def test_each_job_is_an_offline_wandb_run_in_the_sweeps_group(four_jobs):
+    sweep_dir, _ = four_jobs
+    for job, result in results(sweep_dir).items():
+        assert result["logger"]["wandb"]["mode"] == "offline"
+        run_file = next((sweep_dir / job / "wandb").glob("offline-run-*/run-*.wandb"))
+        recorded = wandb_summary(run_file)
+        assert recorded["group"] == sweep_dir.name
+        assert recorded["job_type"] == "/".join(str(v) for v in result["techniques"].values())
+        assert "precision=" + result["techniques"]["precision"] in recorded["tags"]
+        assert recorded["config"]["trainer"] == result["config"]["trainer"]
+        assert any("memory_bytes" in step and "loss" in step for step in recorded["history"])
+        assert recorded["exit_code"] == 0
+    # The comparison table, logged at the end of the sweep in a run of its own.
+    report_run = next((sweep_dir / "wandb").glob("offline-run-*"))
+    recorded = wandb_summary(next(report_run.glob("run-*.wandb")))
+    assert recorded["group"] == sweep_dir.name and recorded["job_type"] == "report"
+    table = json.loads(next(report_run.glob("files/media/table/*.table.json")).read_text())
+    assert len(table["data"]) == 4 and "peak_mib" in table["columns"]
+
+
+def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
+    sweep_dir, _ = four_jobs
+    partial = tmp_path / "partial"
+    for job in ("0", "2"):
+        shutil.copytree(sweep_dir / job, partial / job)
+    running = json.loads((sweep_dir / "1" / "result.json").read_text())
+    running.update(status="running", memory=None, metrics=None, finished_at=None)
+    (partial / "1").mkdir()
+    (partial / "1" / "result.json").write_text(json.dumps(running))
+    done = subprocess.run([sys.executable, "-m", "memexp.cli", "report", str(partial),
+                           "--budget", "64MiB"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "| 1 |" in done.stdout and "running" in done.stdout
+    assert "fastest that fits" in done.stdout
+    with open(partial / "report.csv") as f:
+        assert [row["status"] for row in csv.DictReader(f)] == ["ok", "running", "ok"]
+
+
+def test_a_sweep_survives_a_job_that_raises_and_one_that_is_killed(tmp_path):
+    sweep_dir = tmp_path / "chaos"
+    done = sweep(sweep_dir, *TINY_DATA, "logger=wandb", "model=custom",
+                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,kill,ok")
+    assert done.returncode != 0  # the sweep says that some jobs failed
+    assert "2 of 4 jobs did not succeed: job 1 failed, job 2 killed" in done.stderr
+    found = results(sweep_dir)
+    assert [found[j]["status"] for j in "0123"] == ["ok", "failed", "killed", "ok"]
+    assert "chaos: this job raises" in found["1"]["error"]
+    assert found["2"]["error"] and found["2"]["finished_at"]
+    for job in "03":  # the finished jobs' results are whole
+        assert found[job]["metrics"]["eval_accuracy"] is not None
+    assert_serial(list(found.values()))
+    report = (sweep_dir / "report.md").read_text()
+    for job, status in zip("0123", ["ok", "failed", "killed", "ok"], strict=True):
+        assert f"| {job} | +model.mode=" in report and status in report
+    # The failed job's wandb run ends with a non-zero exit code.
+    failed_run = next((sweep_dir / "1" / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert wandb_summary(failed_run)["exit_code"] == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_a_job_asking_for_cuda_without_a_gpu_fails_loudly(tmp_path):
+    sweep_dir = tmp_path / "nocuda"
+    done = sweep(sweep_dir, *TINY, "trainer.device=cuda")
+    assert done.returncode != 0
+    result = results(sweep_dir)["0"]
+    assert result["status"] == "failed"
+    assert "trainer.device=cuda, but this process sees no CUDA device" in result["error"]
+
+
+class SilentServer:
+    """A loopback socket that accepts connections and never answers."""
+
+    def __init__(self):
+        self.socket = socket.socket()
+        self.socket.bind(("127.0.0.1", 0))
+        self.socket.listen(16)
+        self.port = self.socket.getsockname()[1]
+        self.held: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self):
+        while True:
+            try:
+                self.held.append(self.socket.accept()[0])
+            except OSError:
+                return
+
+
+def closed_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@pytest.mark.parametrize("server", ["refuses", "never answers"])
+def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
+    port = SilentServer().port if server == "never answers" else closed_port()
+    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
+           "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+    started = time.monotonic()
+    done = sweep(tmp_path / "wandb", *TINY, "logger=wandb", env=env)
+    elapsed = time.monotonic() - started
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = results(tmp_path / "wandb")["0"]
+    assert result["status"] == "ok"
+    assert result["logger"]["wandb"]["mode"] == "offline"
+    assert "unreachable" in result["logger"]["wandb"]["why"]
+    assert elapsed < 90  # the probe times out in seconds; wandb alone waits 90 s per attempt
