@@ -136,22 +136,27 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
         assert [row["status"] for row in csv.DictReader(f)] == ["ok", "running", "ok"]
 
 
-def test_a_sweep_survives_a_job_that_raises_and_one_that_is_killed(tmp_path):
+def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
+    """Jobs that raise, run out of memory, diverge, are SIGKILLed, or succeed, in one sweep."""
     sweep_dir = tmp_path / "chaos"
     done = sweep(sweep_dir, *TINY_DATA, "logger=wandb", "model=custom",
-                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,kill,ok")
+                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
     assert done.returncode != 0  # the sweep says that some jobs failed
-    assert "2 of 4 jobs did not succeed: job 1 failed, job 2 killed" in done.stderr
+    assert ("4 of 6 jobs did not succeed: job 1 failed, job 2 oom, job 3 nan, job 4 killed"
+            in done.stderr)
     found = results(sweep_dir)
-    assert [found[j]["status"] for j in "0123"] == ["ok", "failed", "killed", "ok"]
+    statuses = ["ok", "failed", "oom", "nan", "killed", "ok"]
+    assert [found[str(j)]["status"] for j in range(6)] == statuses
     assert "chaos: this job raises" in found["1"]["error"]
-    assert found["2"]["error"] and found["2"]["finished_at"]
-    for job in "03":  # the finished jobs' results are whole
+    assert found["2"]["memory"]["oom"]["phase"] == "forward"
+    assert found["3"]["metrics"]["bad_steps"] == 3
+    assert found["4"]["error"] and found["4"]["finished_at"]
+    for job in "05":  # no finished result is lost
         assert found[job]["metrics"]["eval_accuracy"] is not None
     assert_serial(list(found.values()))
     report = (sweep_dir / "report.md").read_text()
-    for job, status in zip("0123", ["ok", "failed", "killed", "ok"], strict=True):
-        assert f"| {job} | +model.mode=" in report and status in report
+    for job, status in enumerate(statuses):
+        assert f"| {job} | +model.mode=" in report and f"| {status} |" in report
     # The failed job's wandb run ends with a non-zero exit code.
     failed_run = next((sweep_dir / "1" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert wandb_summary(failed_run)["exit_code"] == 1
@@ -206,3 +211,11 @@ def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
     assert result["logger"]["wandb"]["mode"] == "offline"
     assert "unreachable" in result["logger"]["wandb"]["why"]
     assert elapsed < 90  # the probe times out in seconds; wandb alone waits 90 s per attempt
+
+
+def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):
+    sweep_dir = tmp_path / "budget"
+    done = sweep(sweep_dir, *TINY, "report.budget=lots", "checkpointing=none,full")
+    assert done.returncode != 0
+    assert "report.budget=lots: expected a size such as 12GiB" in done.stderr
+    assert not list(sweep_dir.glob("*/result.json"))

@@ -42,7 +42,7 @@ def test_no_graph_outlives_its_step():
 
 def test_a_run_reports_memory_metrics_and_accuracy():
     trainer, metrics = small_run()
-    summary = trainer.summary_metrics(metrics)
+    summary = trainer.summary_metrics()
     assert summary["throughput_unit"] == "samples/s" and summary["throughput"] > 0
     assert 0 <= summary["eval_accuracy"] <= 1
     assert summary["steps"] == 6 and len(summary["losses"]) == 6

@@ -30,6 +30,11 @@ class Device(str, enum.Enum):
     cuda = "cuda"
 
 
+class Resume(str, enum.Enum):
+    auto = "auto"  # continue from the newest valid checkpoint in the run folder, if there is one
+    never = "never"
+
+
 @dataclass
 class TrainerConfig:
     # optimizer steps to run (each takes optim.accumulate micro-batches)
@@ -45,6 +50,15 @@ class TrainerConfig:
     log_every: int = 10
     # a progress bar on terminals, for runs longer than a few seconds
     progress: bool = True
+    # steps with a non-finite loss (skipped: they never touch the weights) before the run stops
+    # with status nan
+    max_bad_steps: int = 3
+    # a checkpoint every this many steps and at the last, in <run dir>/checkpoints; 0: none
+    checkpoint_every: int = 0
+    # how many checkpoints to keep, newest first
+    keep_checkpoints: int = 2
+    # auto: a run whose folder has a checkpoint (a requeued or rerun job) continues from it
+    resume: Resume = Resume.auto
 
 
 class EmptyCache(str, enum.Enum):

@@ -25,6 +25,7 @@ class RunInfo:
     config: dict  # the resolved config, as plain containers
     techniques: dict[str, str | None]
     group: str  # the sweep's id (its folder name), or the run's for a single run
+    resume: bool = False  # a rerun in this folder continues the same logger run
 
 
 class Logger(Protocol):
@@ -175,6 +176,10 @@ class WandbLogger:
             return {"wandb": {"mode": mode, "why": why}}
         extra = {"job_type": job_type(run.techniques),
                  "tags": [f"{k}={v}" for k, v in run.techniques.items()], **extra}
+        # A requeued or rerun job continues the same wandb run.
+        id_file = run.run_dir / ".wandb_run_id"
+        if run.resume and id_file.is_file():
+            extra.update(id=id_file.read_text().strip(), resume="allow")
         try:
             self._run = self._init(mode, run, **extra)
         except Exception as error:  # a server problem must never fail the job
@@ -183,6 +188,8 @@ class WandbLogger:
                 return {"wandb": {"mode": "disabled", "why": f"offline init failed: {error}"}}
             mode, why = "offline", f"online init failed: {type(error).__name__}: {error}"
             self._run = self._init(mode, run, **extra)
+        if run.resume:
+            id_file.write_text(self._run.id)
         log.info("wandb: %s run %s (%s) in %s", mode, self._run.id, why, self._run.dir)
         return {"wandb": {"mode": mode, "why": why, "run_id": self._run.id,
                           "dir": str(self._run.dir)}}

@@ -323,6 +323,14 @@ class ReportCallback(Callback):
     """At the end of every sweep: the report, in the terminal, on disk and in the logger; then a
     non-zero exit if any job did not succeed."""
 
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # A bad budget must stop the sweep before its jobs run, not after the last one.
+        if config.report.budget is not None:
+            try:
+                parse_size(config.report.budget)
+            except ValueError as error:
+                raise SystemExit(f"memexp: {error}") from None
+
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
         report = write_report(sweep_dir, config.report.budget)

@@ -10,12 +10,13 @@ from __future__ import annotations
 import json
 import os
 import socket
-import tempfile
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+
+from memexp.atomic import atomic_file
 
 GROUPS = ("precision", "checkpointing", "optim", "parallel", "bn_mode")
 CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
@@ -26,17 +27,8 @@ def now() -> str:
 
 
 def write_json_atomic(path: Path, payload: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2, default=str)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as f:
+        json.dump(payload, f, indent=2, default=str)
 
 
 class RunRecord:
@@ -95,6 +87,9 @@ def summary(result: dict, run_dir: Path | str) -> str:
     techniques = " ".join(f"{k}={v}" for k, v in result["techniques"].items())
     lines = [f"memexp run: {result['status']}  ({run_dir})", f"  techniques   {techniques}"]
     memory = result.get("memory")
+    if memory and memory.get("oom"):
+        lines.append(f"  OUT OF MEMORY in {memory['oom']['phase'] or 'an unknown phase'} at step "
+                     f"{memory['oom']['step']}; what it reached before:")
     if memory and memory.get("peak_bytes") is not None:
         lines.append(f"  peak memory  {mib(memory['peak_bytes'])} in {memory['peak_phase']} "
                      f"({memory['device']}, {memory['source']})")
@@ -108,15 +103,21 @@ def summary(result: dict, run_dir: Path | str) -> str:
     elif memory:
         lines.append(f"  peak memory  not measured (memory.track=false on {memory['device']})")
     metrics = result.get("metrics")
-    if metrics:
-        accuracy = metrics["eval_accuracy"]
+    if metrics and metrics.get("throughput"):
         lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
                      f"median step {metrics['step_time_s'] * 1000:.1f} ms")
+    if metrics and metrics.get("final_loss") is not None:
+        accuracy = metrics["eval_accuracy"]
         lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"
                      if accuracy is not None else f"  final loss   {metrics['final_loss']:.4f}")
-        if metrics.get("skipped_steps"):
-            lines.append(f"  skipped      {metrics['skipped_steps']} steps with non-finite "
-                         f"gradients (loss scale now {metrics['loss_scale']:g})")
+    if metrics and metrics.get("resumed_from"):
+        lines.append(f"  resumed      from step(s) {metrics['resumed_from']}")
+    if metrics and metrics.get("skipped_steps"):
+        lines.append(f"  skipped      {metrics['skipped_steps']} steps with non-finite "
+                     f"gradients (loss scale now {metrics['loss_scale']:g})")
+    if metrics and metrics.get("bad_steps"):
+        lines.append(f"  non-finite   {metrics['bad_steps']} steps had a NaN or infinite loss; "
+                     "their updates were skipped")
     if result.get("error"):
         lines.append("  error        " + result["error"].strip().splitlines()[-1])
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
+import logging
+import math
+import random
 import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -16,9 +21,12 @@ from omegaconf import DictConfig
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from memexp import checkpoint
 from memexp.data import Batch, TensorData
 from memexp.memory import MemoryMeter
 from memexp.techniques import check_combination
+
+log = logging.getLogger("memexp")
 
 
 def pick_device(requested: str) -> torch.device:
@@ -38,12 +46,13 @@ def device_name(device: torch.device) -> str:
 
 
 def build(node: DictConfig):
-    """instantiate(node). A ValueError from the target is memexp's own check of a value, and
-    already names the key and what is allowed: it comes out as it is, not inside Hydra's wrapper."""
+    """instantiate(node). memexp's own checks of a value or a path (ValueError,
+    FileNotFoundError) already name the key and what to do: they come out as they are, not
+    inside Hydra's wrapper."""
     try:
         return instantiate(node)
     except InstantiationException as error:
-        if isinstance(error.__cause__, ValueError):
+        if isinstance(error.__cause__, (ValueError, FileNotFoundError)):
             raise error.__cause__ from None
         raise
 
@@ -59,18 +68,57 @@ def build_model(node: DictConfig) -> nn.Module:
         ) from error
 
 
+class OutOfMemory(RuntimeError):
+    """The run ran out of memory in `phase` at `step`; what it reached is in the meter."""
+
+    def __init__(self, message: str, phase: str | None, step: int):
+        super().__init__(message)
+        self.phase, self.step = phase, step
+
+    def __reduce__(self):  # picklable with its fields (submitit sends a job's error back)
+        return type(self), (self.args[0], self.phase, self.step)
+
+
+class NonFiniteLoss(RuntimeError):
+    """trainer.max_bad_steps steps had a NaN or infinite loss; none of them touched the weights."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a plain RuntimeError)."""
+    return isinstance(error, torch.OutOfMemoryError) or (
+        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
+
+
+def validate(trainer: DictConfig) -> None:
+    """Out-of-range trainer keys, before anything is built."""
+    minimum = {"max_steps": 1, "eval_every": 0, "warmup_steps": 0, "log_every": 1,
+               "max_bad_steps": 1, "checkpoint_every": 0, "keep_checkpoints": 1}
+    for key, least in minimum.items():
+        if trainer[key] < least:
+            raise ValueError(f"trainer.{key}={trainer[key]}: must be >= {least}")
+
+
 @dataclass
 class Metrics:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     eval_accuracy: float | None = None
+    # steps the GradScaler skipped (inf/NaN gradients), and steps with a non-finite loss
+    skipped_steps: int = 0
+    bad_steps: int = 0
+    resumed_from: list[int] = field(default_factory=list)
 
 
 class Trainer:
-    """Build with `Trainer(cfg)`, train with `fit()`; `memory_report()` reads the meter."""
+    """Build with `Trainer(cfg, run_dir)`, train with `fit()`; the meter is `trainer.meter`.
+    Checkpoints need a run folder (they live in `<run_dir>/checkpoints`)."""
 
-    def __init__(self, cfg: DictConfig):
+    def __init__(self, cfg: DictConfig, run_dir: Path | None = None):
         self.cfg = cfg
+        validate(cfg.trainer)
+        if cfg.trainer.checkpoint_every and run_dir is None:
+            raise ValueError("trainer.checkpoint_every needs a run folder to keep checkpoints in")
+        self.checkpoints = run_dir / "checkpoints" if run_dir is not None else None
         self.device = pick_device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed)
         self.data: TensorData = build(cfg.data)
@@ -99,7 +147,7 @@ class Trainer:
         self.optimizer = self.optim.build(self.precision.parameters(self.model))
         self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
-        self.skipped_steps = 0
+        self.metrics = Metrics()
 
     def to_device(self, batch: Batch) -> Batch:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
@@ -127,8 +175,12 @@ class Trainer:
                     self.precision.backward(loss)
             total += loss.item()  # a float: no graph outlives its step
         with meter.phase("optimizer"):
-            # A step skipped for non-finite gradients (fp16 loss scaling) is counted, not silent.
-            self.skipped_steps += not self.precision.step(self.optimizer)
+            if math.isfinite(total):
+                # A step skipped for non-finite gradients (fp16 loss scaling) is counted.
+                self.metrics.skipped_steps += not self.precision.step(self.optimizer)
+            else:
+                # A non-finite loss never reaches the weights; fit() stops after max_bad_steps.
+                self.metrics.bad_steps += 1
             # Free the gradients now: no need for this memory until the next backward.
             self.optimizer.zero_grad(set_to_none=True)
         return total
@@ -150,63 +202,130 @@ class Trainer:
         return (totals[0] / totals[1]).item()
 
     def fit(self, logger) -> Metrics:
-        metrics = Metrics()
+        trainer = self.cfg.trainer
         # Plain ints: reading a DictConfig in the loop would cost tens of microseconds a step.
-        max_steps, eval_every, log_every = (int(self.cfg.trainer[key]) for key in
-                                            ("max_steps", "eval_every", "log_every"))
-        batches = self.data.train_batches(0, self.parallel.rank, self.parallel.world_size)
+        max_steps, eval_every, log_every, checkpoint_every, max_bad_steps = (
+            int(trainer[key]) for key in
+            ("max_steps", "eval_every", "log_every", "checkpoint_every", "max_bad_steps"))
+        start = step = self.resume()
+        metrics = self.metrics  # after resume(), which brings back the earlier steps' metrics
+        batches = self.data.train_batches(start * self.optim.accumulate, self.parallel.rank,
+                                          self.parallel.world_size)
         self.model.train()
         # tqdm: hidden off a terminal (disable=None), and until the run is a few seconds old.
-        bar = tqdm(total=max_steps, disable=None if self.cfg.trainer.progress else True,
+        bar = tqdm(total=max_steps, initial=start, disable=None if trainer.progress else True,
                    delay=3, unit="step", leave=False)
-        with self.meter, bar:
-            for step in range(1, max_steps + 1):
-                started = time.perf_counter()
-                loss = self.train_step(batches)
-                metrics.step_times.append(time.perf_counter() - started)
-                metrics.losses.append(loss)
-                self.release_cached_memory("step")
-                bar.update()
-                last = step == max_steps
-                if last or (eval_every and step % eval_every == 0):
-                    metrics.eval_accuracy = self.evaluate()
-                    self.release_cached_memory("eval")
-                if last or step % log_every == 0:
-                    bar.set_postfix(loss=f"{loss:.3f}")
-                    logger.log(step, self.step_metrics(metrics))
+        out_of_memory = None
+        try:
+            with self.meter, bar:
+                for step in range(start + 1, max_steps + 1):
+                    started = time.perf_counter()
+                    loss = self.train_step(batches)
+                    metrics.step_times.append(time.perf_counter() - started)
+                    metrics.losses.append(loss)
+                    if metrics.bad_steps >= max_bad_steps:
+                        raise NonFiniteLoss(
+                            f"{metrics.bad_steps} steps with a non-finite loss (the last at step "
+                            f"{step}: {loss}); trainer.max_bad_steps={max_bad_steps}")
+                    self.release_cached_memory("step")
+                    bar.update()
+                    last = step == max_steps
+                    if last or (eval_every and step % eval_every == 0):
+                        metrics.eval_accuracy = self.evaluate()
+                        self.release_cached_memory("eval")
+                    if last or step % log_every == 0:
+                        bar.set_postfix(loss=f"{loss:.3f}")
+                        logger.log(step, self.step_metrics())
+                    if checkpoint_every and (last or step % checkpoint_every == 0):
+                        self.save_checkpoint(step)
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            first_line = str(error).strip().splitlines()[0]
+            out_of_memory = OutOfMemory(first_line, self.meter.last_phase, step)
+        # Outside the except block, as the PyTorch FAQ advises: the error's traceback, and with
+        # it the failed step's tensors, are gone, so the memory can really be given back.
+        if out_of_memory is not None:
+            del batches  # the data stream too: a raised error keeps this frame's locals alive
+            self.optimizer.zero_grad(set_to_none=True)
+            self.free_cached_memory()
+            raise out_of_memory
         return metrics
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        cuda = self.device.type == "cuda"
+        state = {
+            "step": step,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "precision": self.precision.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "cuda": torch.cuda.get_rng_state_all() if cuda else []},
+            "metrics": dataclasses.asdict(self.metrics),
+        }
+        return checkpoint.save(self.checkpoints, step, state, self.cfg.trainer.keep_checkpoints)
+
+    def resume(self) -> int:
+        """trainer.resume=auto: continue from the newest checkpoint of this run folder that
+        loads (a requeued or rerun job); returns the step it ends, or 0."""
+        if self.cfg.trainer.resume != "auto" or self.checkpoints is None:
+            return 0
+        found = checkpoint.load_newest(self.checkpoints)
+        if found is None:
+            return 0
+        path, state = found
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.precision.load_state_dict(state["precision"])
+        torch.set_rng_state(state["rng"]["torch"])
+        random.setstate(state["rng"]["python"])
+        if state["rng"]["cuda"]:
+            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
+        self.metrics = Metrics(**state["metrics"])
+        self.metrics.resumed_from.append(state["step"])
+        log.info("resumed from %s (step %d)", path, state["step"])
+        return state["step"]
+
+    # -- memory --------------------------------------------------------------------------------
+    def free_cached_memory(self) -> None:
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
 
     def release_cached_memory(self, point: str) -> None:
         """memory.empty_cache: give cached blocks back at this point (source tips 10 and 13)."""
         if self.empty_cache_at == point:
-            gc.collect()
-            if self.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.free_cached_memory()
 
-    def step_metrics(self, metrics: Metrics) -> dict[str, float | None]:
+    # -- reporting -----------------------------------------------------------------------------
+    def step_metrics(self) -> dict[str, float | None]:
         """The same keys every step; None where a value is not known (yet)."""
         return {
-            "loss": metrics.losses[-1],
-            "step_time_s": metrics.step_times[-1],
+            "loss": self.metrics.losses[-1],
+            "step_time_s": self.metrics.step_times[-1],
             "memory_bytes": self.meter.live_bytes(),
-            "eval_accuracy": metrics.eval_accuracy,
+            "eval_accuracy": self.metrics.eval_accuracy,
         }
 
-    def summary_metrics(self, metrics: Metrics) -> dict:
-        """The `metrics` section of result.json."""
+    def summary_metrics(self) -> dict:
+        """The `metrics` section of result.json (also of a run that stopped early)."""
+        metrics = self.metrics
         timed = metrics.step_times[self.cfg.trainer.warmup_steps:] or metrics.step_times
-        step_time = statistics.median(timed)
+        step_time = statistics.median(timed) if timed else None
         items = (self.data.batch_size * self.optim.accumulate * self.parallel.world_size
                  * self.data.items_per_sample)
         last = metrics.losses[-10:]
         return {
-            "final_loss": sum(last) / len(last),
+            "final_loss": sum(last) / len(last) if last else None,
             "eval_accuracy": metrics.eval_accuracy,
-            "throughput": items / step_time,
+            "throughput": items / step_time if step_time else None,
             "throughput_unit": f"{self.data.unit}/s",
             "step_time_s": step_time,
             "steps": len(metrics.losses),
-            "skipped_steps": self.skipped_steps,
+            "skipped_steps": metrics.skipped_steps,
+            "bad_steps": metrics.bad_steps,
+            "resumed_from": metrics.resumed_from,
             "loss_scale": self.precision.loss_scale(),
             "losses": metrics.losses,
         }

@@ -13,6 +13,13 @@ class MemexpLocalConf(LocalQueueConf):
     _target_: str = "hydra_plugins.memexp_launcher.launcher.LocalLauncher"
     # how many jobs run at once; 1 keeps memory and speed measurements from sharing a machine
     parallel_jobs: int = 1
+    # maximum time for a job in minutes (fractions too); near it, the job gets a signal, is
+    # requeued, and continues from its last checkpoint (see trainer.checkpoint_every)
+    timeout_min: float = 60
+    # seconds before the timeout at which that signal comes
+    signal_delay_s: int = 30
+    # how many times a job may be requeued after a timeout
+    max_num_timeout: int = 3
 
 
 @dataclass

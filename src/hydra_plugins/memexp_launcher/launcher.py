@@ -53,20 +53,12 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         return returns
 
     def _executor(self, submitit):
-        params = dict(self.params)
-        executor = submitit.AutoExecutor(
-            cluster=self._EXECUTOR, folder=params["submitit_folder"],
-            **{f"{self._EXECUTOR}_max_num_timeout": params.get("max_num_timeout", 0)},
-        )
-        shared = set(OmegaConf.structured(BaseQueueConf).keys())
-        resources = {key if key in shared else f"{self._EXECUTOR}_{key}": value
-                     for key, value in params.items() if key not in NOT_JOB_PARAMETERS}
-        resources.update(self._extra_resources(params))
-        executor.update_parameters(**resources)
-        return executor
+        raise NotImplementedError
 
-    def _extra_resources(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {}
+    def _job_parameters(self) -> dict[str, Any]:
+        """The job's resources; unset (None) ones are left to submitit's defaults."""
+        return {k: v for k, v in self.params.items()
+                if k not in NOT_JOB_PARAMETERS and v is not None}
 
     def _outcome(self, job, overrides: list[str], number: int) -> JobReturn:
         from submitit.core.utils import UncompletedJobError
@@ -96,21 +88,35 @@ class _SurvivingLauncher(BaseSubmititLauncher):
 class LocalLauncher(_SurvivingLauncher):
     _EXECUTOR = "local"
 
-    def _extra_resources(self, params: dict[str, Any]) -> dict[str, Any]:
+    def _executor(self, submitit):
+        # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a
+        # minute for timeout_min, and signal_delay_s.
+        executor = submitit.LocalExecutor(folder=self.params["submitit_folder"],
+                                          max_num_timeout=self.params["max_num_timeout"])
+        parameters = self._job_parameters()
         # submitit_local hides every GPU (CUDA_VISIBLE_DEVICES="") unless gpus_per_node is set,
         # and trainer.device=auto would then quietly train on CPU. Give each job one GPU where
         # this machine has one.
         import torch
 
-        if params.get("gpus_per_node") is None and torch.cuda.is_available():
+        if parameters.get("gpus_per_node") is None and torch.cuda.is_available():
             log.info("hydra.launcher.gpus_per_node unset: giving each local job 1 GPU")
-            return {"gpus_per_node": 1}
-        return {}
+            parameters["gpus_per_node"] = 1
+        executor.update_parameters(**parameters)
+        return executor
 
 
 class SlurmLauncher(_SurvivingLauncher):
     _EXECUTOR = "slurm"
     _CHUNKED = False  # one array; SLURM throttles it
 
-    def _extra_resources(self, params: dict[str, Any]) -> dict[str, Any]:
-        return {"slurm_array_parallelism": params["parallel_jobs"]}
+    def _executor(self, submitit):
+        executor = submitit.AutoExecutor(cluster="slurm", folder=self.params["submitit_folder"],
+                                         slurm_max_num_timeout=self.params["max_num_timeout"])
+        shared = set(OmegaConf.structured(BaseQueueConf).keys())
+        executor.update_parameters(
+            **{key if key in shared else f"slurm_{key}": value
+               for key, value in self._job_parameters().items()},
+            slurm_array_parallelism=self.params["parallel_jobs"],
+        )
+        return executor

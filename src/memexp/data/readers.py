@@ -39,10 +39,11 @@ def _check_declared(dataset: str, train: Split, num_classes: int, channels: int,
         )
 
 
-def _missing(root: Path, what: str, files: list[str], source: str) -> FileNotFoundError:
+def _missing(root: Path, folder: Path, what: str, files: list[str],
+             source: str) -> FileNotFoundError:
     listing = "\n  ".join(files)
     return FileNotFoundError(
-        f"data.root={root}: no {what} there. Put these files in {root}:\n  {listing}\n"
+        f"data.root={root}: no {what} there. Put these files in {folder}:\n  {listing}\n"
         f"(from {source}), or point data.root at the folder that holds them."
     )
 
@@ -63,7 +64,7 @@ def cifar10(
     folder = next((p for p in (base, base / "cifar-10-batches-py")
                    if all((p / n).is_file() for n in names)), None)
     if folder is None:
-        raise _missing(base / "cifar-10-batches-py", "CIFAR-10", names,
+        raise _missing(base, base / "cifar-10-batches-py", "CIFAR-10", names,
                        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, extracted")
 
     def load(files: list[str]) -> Split:
@@ -125,7 +126,8 @@ def mnist(
 
     paths = [find(n) for n in names]
     if None in paths:
-        raise _missing(base, "MNIST", names, "http://yann.lecun.com/exdb/mnist/, .gz or not")
+        raise _missing(base, base, "MNIST", names,
+                       "http://yann.lecun.com/exdb/mnist/, .gz or not")
 
     def load(images: Path, labels: Path) -> Split:
         pixels = torch.from_numpy(read_idx(images).copy()).unsqueeze(1)

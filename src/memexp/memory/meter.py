@@ -69,6 +69,7 @@ class MemoryMeter:
         self.counters = CudaCounters(device) if device.type == "cuda" else None
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        self.last_phase: str | None = None  # the last named phase entered (OOM reports use it)
 
     def watch(self, model: nn.Module) -> None:
         """Name the model whose tensors are params and grads. Call it before the optimizer is
@@ -117,6 +118,8 @@ class MemoryMeter:
             self._switch(IDLE)
 
     def _switch(self, name: str) -> None:
+        if name != IDLE:
+            self.last_phase = name
         if self.tracker is not None:
             self.tracker.enter(name)
         if self.counters is not None:

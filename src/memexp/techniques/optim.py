@@ -29,7 +29,10 @@ class StepInBackward:
 
     def _step(self, param: Tensor) -> None:
         optimizer = self.optimizers[param]
-        optimizer.step()
+        # The step happens before the trainer sees the loss, so a non-finite gradient is caught
+        # here: it never reaches the weights.
+        if torch.isfinite(param.grad).all():
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
 
     @property

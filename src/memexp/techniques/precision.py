@@ -41,6 +41,11 @@ class Precision(Protocol):
     def loss_scale(self) -> float:
         """The factor gradients carry after backward (1 without loss scaling)."""
 
+    def state_dict(self) -> dict:
+        """What a checkpoint must keep (loss scaler, master copies)."""
+
+    def load_state_dict(self, state: dict) -> None: ...
+
 
 def half_dtype(name: str, key: str) -> torch.dtype:
     if name not in DTYPES:
@@ -86,6 +91,12 @@ class FP32:
 
     def loss_scale(self) -> float:
         return 1.0
+
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
 
 
 @dataclass
@@ -139,6 +150,12 @@ class Autocast:
 
     def loss_scale(self) -> float:
         return self._scaler.get_scale() if self._scaler.is_enabled() else 1.0
+
+    def state_dict(self) -> dict:
+        return {"scaler": self._scaler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scaler.load_state_dict(state["scaler"])
 
 
 @dataclass
@@ -197,3 +214,13 @@ class Pure:
 
     def loss_scale(self) -> float:
         return self._scaler.get_scale() if self._scaler.is_enabled() else 1.0
+
+    def state_dict(self) -> dict:
+        return {"scaler": self._scaler.state_dict(),
+                "masters": [master for _, master in self._pairs]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._scaler.load_state_dict(state["scaler"])
+        with torch.no_grad():
+            for (_, master), saved in zip(self._pairs, state["masters"], strict=True):
+                master.copy_(saved)

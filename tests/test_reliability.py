@@ -1,0 +1,190 @@
+"""Nothing lost: out of memory, NaN, checkpoints and resume, preemption, bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException, InstantiationException
+
+from memexp import checkpoint
+from memexp.app import run_config
+from memexp.loggers import NoLogger
+from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
+
+from conftest import REPO, compose_train, train
+
+CHAOS = ("model=custom", "model._target_=chaos.Chaos", "data.batch_size=8", "data.num_eval=64")
+
+
+@pytest.fixture(autouse=True)
+def chaos_importable(monkeypatch):
+    monkeypatch.syspath_prepend(str(Path(__file__).parent))
+
+
+def run_in(run_dir: Path, *overrides: str) -> dict:
+    """memexp's run, as train.py does it, into `run_dir`; returns result.json (raised or not)."""
+    try:
+        run_config(compose_train(*overrides), run_dir, {}, list(overrides), run_dir.name)
+    except BaseException:
+        pass
+    return json.loads((run_dir / "result.json").read_text())
+
+
+# -- out of memory -------------------------------------------------------------------------------
+def test_out_of_memory_is_a_result_and_the_memory_is_given_back():
+    trainer = Trainer(compose_train(*CHAOS, "+model.mode=oom", "trainer.max_steps=3"))
+    with pytest.raises(OutOfMemory) as raised:
+        trainer.fit(NoLogger())
+    assert raised.value.phase == "forward" and raised.value.step == 1
+    assert "can't allocate memory" in str(raised.value)
+    # Freed outside the except block: only the model is left, not the failed step's logits.
+    model_bytes = sum(p.numel() * p.element_size() for p in trainer.model.parameters())
+    assert trainer.meter.tracker.current == model_bytes
+    # ...so the process goes on: the next run in it trains.
+    _, metrics = train(*CHAOS, "+model.mode=ok", steps=2)
+    assert len(metrics.losses) == 2
+
+
+def test_an_out_of_memory_run_ends_with_status_oom_its_peak_and_phase(tmp_path):
+    result = run_in(tmp_path / "run", *CHAOS, "+model.mode=oom", "trainer.max_steps=3")
+    assert result["status"] == "oom"
+    assert result["memory"]["oom"] == {"phase": "forward", "step": 1}
+    assert result["memory"]["peak_bytes"] > 0
+    assert "DefaultCPUAllocator: can't allocate memory" in result["error"]
+
+
+# -- NaN -----------------------------------------------------------------------------------------
+def test_non_finite_losses_stop_the_run_and_never_touch_the_weights(tmp_path):
+    trainer = Trainer(compose_train(*CHAOS, "+model.mode=diverge", "trainer.max_steps=10",
+                                    "trainer.max_bad_steps=3"))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(NonFiniteLoss, match="3 steps with a non-finite loss"):
+        trainer.fit(NoLogger())
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
+    result = run_in(tmp_path / "run", *CHAOS, "+model.mode=diverge", "trainer.max_steps=10")
+    assert result["status"] == "nan" and result["metrics"]["bad_steps"] == 3
+
+
+def test_stepping_in_backward_never_applies_a_non_finite_gradient():
+    trainer = Trainer(compose_train(*CHAOS, "+model.mode=diverge", "optim=adamw",
+                                    "optim.in_backward=true", "trainer.max_steps=5"))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    with pytest.raises(NonFiniteLoss):
+        trainer.fit(NoLogger())
+    assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))
+
+
+# -- checkpoints and resume ----------------------------------------------------------------------
+RESUMABLE = [
+    # dropout (the RNG state) and AdamW's moments
+    ("model=transformer", "model.n_layers=2", "model.d_model=32", "model.dropout=0.1"),
+    # BatchNorm's running statistics and SGD's momentum buffers
+    ("model.width=4", "data.batch_size=16", "optim=sgd_momentum"),
+    # fp32 master copies and the loss scale
+    ("model=mlp", "model.hidden=32", "precision=fp16_pure", "precision.master_weights=true",
+     "optim=adamw"),
+]
+
+
+@pytest.mark.parametrize("workload", RESUMABLE, ids=["transformer", "resnet", "fp16_master"])
+def test_a_resumed_run_repeats_an_uninterrupted_one_bitwise(tmp_path, workload):
+    _, straight = train(*workload, "memory.track=false", steps=10)
+    first = run_in(tmp_path, *workload, "trainer.max_steps=7", "trainer.checkpoint_every=3")
+    assert first["status"] == "ok"
+    resumed = run_in(tmp_path, *workload, "trainer.max_steps=10", "trainer.checkpoint_every=3")
+    assert resumed["metrics"]["resumed_from"] == [7]
+    assert resumed["metrics"]["losses"] == straight.losses  # every step, bitwise
+
+
+def test_checkpoints_keep_the_newest_and_skip_a_corrupt_one(tmp_path):
+    for step in (1, 2, 3):
+        checkpoint.save(tmp_path, step, {"step": step}, keep=2)
+    assert [p.name for p in checkpoint.checkpoints(tmp_path)] == ["step_00000003.pt",
+                                                                  "step_00000002.pt"]
+    newest = tmp_path / "step_00000003.pt"
+    newest.write_bytes(newest.read_bytes()[:20])  # truncated
+    path, state = checkpoint.load_newest(tmp_path)
+    assert path.name == "step_00000002.pt" and state["step"] == 2
+
+
+def test_a_process_killed_while_writing_a_checkpoint_leaves_the_previous_one(tmp_path):
+    script = f"""
+import os, signal, torch
+from pathlib import Path
+from memexp import checkpoint
+folder = Path({str(tmp_path)!r})
+checkpoint.save(folder, 1, {{"weights": torch.arange(1000)}}, keep=2)
+def dies_halfway(state, file):  # half the bytes of a real save, then a real SIGKILL
+    file.write(b"\\0" * 4096); file.flush(); os.kill(os.getpid(), signal.SIGKILL)
+torch.save = dies_halfway
+checkpoint.save(folder, 2, {{"weights": torch.arange(2000)}}, keep=2)
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL
+    assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # the half-written file
+    path, state = checkpoint.load_newest(tmp_path)
+    assert path.name == "step_00000001.pt" and torch.equal(state["weights"], torch.arange(1000))
+
+
+@pytest.mark.slow
+def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
+    """The Hydra path, for real: the job gets submitit's timeout signal, the launcher requeues
+    it, and the rerun continues from its last checkpoint (and the same wandb run)."""
+    overrides = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.progress=false",
+                 "logger=wandb", "hydra.launcher.timeout_min=0.3",
+                 "hydra.launcher.signal_delay_s=5"]
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    done = subprocess.run(
+        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={tmp_path}", *overrides],
+        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads((tmp_path / "0" / "result.json").read_text())
+    assert result["status"] == "ok" and result["metrics"]["resumed_from"]
+    _, straight = train("memory.track=false", steps=60)
+    assert result["metrics"]["losses"] == straight.losses
+    run_id = result["logger"]["wandb"]["run_id"]
+    attempts = list((tmp_path / "0" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(attempts) >= 2  # one wandb run, continued after the requeue
+
+
+# -- bad input -----------------------------------------------------------------------------------
+BAD_INPUT = [
+    # (overrides, what is raised, what the message says)
+    (["precision=fp33"], ConfigCompositionException, "Available options in 'precision'"),
+    (["trainer.max_stepz=3"], ConfigCompositionException, "Key 'max_stepz' not in"),
+    (["optim.lr=fast"], ConfigCompositionException, "full_key: optim.lr"),
+    (["optim.accumulate=0"], ValueError, "optim.accumulate=0: must be >= 1"),
+    (["optim.lr=-1"], ValueError, "optim.lr=-1.0: the learning rate must be positive"),
+    (["data.batch_size=0"], ValueError, "data.batch_size=0: must be a positive number"),
+    (["trainer.max_steps=0"], ValueError, "trainer.max_steps=0: must be >= 1"),
+    (["model._target_=nope.Net"], InstantiationException, "Error locating target 'nope.Net'"),
+    (["data=cifar10", "data.root=/nonexistent"], FileNotFoundError,
+     "data.root=/nonexistent: no CIFAR-10 there. Put these files in /nonexistent/cifar-10"),
+    (["checkpointing=modules", "checkpointing.modules=[layer9]"], ValueError,
+     "['layer9'] not in the model. Valid names: blocks, blocks.0"),
+    (["precision=fp16_pure", "precision.dtype=float8"], ValueError,
+     "precision.dtype=float8: choose one of"),
+    (["logger=wandb", "logger.mode=sometimes"], ValueError, "logger.mode=sometimes: choose one"),
+]
+if not torch.cuda.is_available():
+    BAD_INPUT.append((["trainer.device=cuda"], RuntimeError, "sees no CUDA device"))
+
+
+@pytest.mark.parametrize(("overrides", "error", "says"), BAD_INPUT,
+                         ids=[" ".join(case[0]) for case in BAD_INPUT])
+def test_bad_input_fails_before_training_and_claims_no_success(tmp_path, overrides, error, says):
+    run_dir = tmp_path / "run"
+    with pytest.raises(error) as raised:
+        run_config(compose_train(*overrides), run_dir, {}, overrides, "bad")
+    assert says in f"{raised.value}\n{raised.value.__cause__}"
+    result = run_dir / "result.json"
+    if result.exists():  # composed, then refused while building: recorded, never as success
+        recorded = json.loads(result.read_text())
+        assert recorded["status"] == "failed" and recorded["metrics"] is None
