@@ -16,11 +16,16 @@ class Chaos(nn.Module):
     """A linear classifier on flattened images whose training forward does `mode`:
     ok (nothing), raise (a Python exception), kill (SIGKILL to its own process), oom (a real
     CPU allocation failure, after the logits exist), diverge (NaN logits, so a NaN loss; not
-    "nan", which Hydra reads as a float)."""
+    "nan", which Hydra reads as a float), leak (adds a penalty computed from each step's logits to
+    a running total that is never detached nor backpropagated: the source's `total_loss +=
+    loss`, whose history keeps every step's graph, and the logits it saved, alive). With
+    `rank`, only that rank of a multi-rank run (its RANK) does it; the others train normally."""
 
-    def __init__(self, mode: str = "ok", num_classes: int = 10, in_features: int = 3 * 32 * 32):
+    def __init__(self, mode: str = "ok", num_classes: int = 10, in_features: int = 3 * 32 * 32,
+                 rank: int | None = None):
         super().__init__()
-        self.mode = mode
+        chosen = rank is None or int(os.environ.get("RANK", 0)) == rank
+        self.mode = mode if chosen else "ok"
         self.linear = nn.Linear(in_features, num_classes)
 
     def forward(self, x: Tensor) -> Tensor:
@@ -33,4 +38,6 @@ class Chaos(nn.Module):
             torch.empty(2**48, dtype=torch.uint8)  # 256 TiB: the CPU allocator refuses
         if self.training and self.mode == "diverge":
             return logits * float("nan")
+        if self.training and self.mode == "leak":
+            self.total_loss = getattr(self, "total_loss", 0) + logits.square().mean()
         return logits

@@ -89,12 +89,9 @@ def test_efficient_eval_runs_under_bf16_autocast():
     assert fold_bf16.losses == pytest.approx(eval_bf16.losses, rel=1e-2)
 
 
-def test_sync_in_one_process_warns_and_keeps_batchnorm():
-    with pytest.warns(UserWarning, match="bn_mode=sync needs more than one process"):
-        trainer, sync = train(*RESNET, "bn_mode=sync", "memory.track=false", steps=2)
-    _, plain = train(*RESNET, "memory.track=false", steps=2)
-    assert sync.losses == plain.losses
-    assert not any(isinstance(m, nn.SyncBatchNorm) for m in trainer.model.modules())
+def test_sync_without_a_process_group_is_refused():
+    with pytest.raises(ValueError, match="bn_mode=sync .* parallel=none"):
+        Trainer(compose_train(*RESNET, "bn_mode=sync"))
 
 
 def test_group_norm_replaces_every_batchnorm():

@@ -70,7 +70,7 @@ def test_the_defaults_list_covers_every_group():
         ("trainer.max_steps=abc", ["full_key: trainer.max_steps", "converted to Integer"]),
         ("trainer.max_stepz=3", ["full_key: trainer.max_stepz", "not in 'TrainerConfig'"]),
         ("trainer.device=gpu", ["trainer.device", "expected one of [auto, cpu, cuda]"]),
-        ("data.batch_size=big", ["full_key: data.batch_size", "converted to Integer"]),
+        ("data.num_train=big", ["full_key: data.num_train", "converted to Integer"]),
         ("memory.track=maybe", ["full_key: memory.track", "not a valid bool"]),
         ("model.widht=3", ["full_key: model.widht", "not in 'ResNetSchema'"]),
         ("optim.lr=fast", ["full_key: optim.lr", "converted to Float"]),

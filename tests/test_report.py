@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from memexp.report import Row, add_ratios, describe_rows, pareto_front, parse_size, pick
+from memexp.memory.sizes import parse_size
+from memexp.report import Row, add_ratios, describe_rows, pareto_front, pick
 
 GIB = 2**30
 
@@ -15,13 +16,13 @@ GIB = 2**30
     ("1.5gib", int(1.5 * GIB)),
 ])
 def test_sizes(text, expected):
-    assert parse_size(text) == expected
+    assert parse_size(text, "report.budget") == expected
 
 
-@pytest.mark.parametrize("text", ["lots", "12 apples", "-1GiB", ""])
+@pytest.mark.parametrize("text", ["lots", "12 apples", "-1GiB", "", "0GiB"])
 def test_bad_sizes_name_the_key_and_the_units(text):
-    with pytest.raises(ValueError, match=r"report.budget=.*expected a size such as 12GiB"):
-        parse_size(text)
+    with pytest.raises(ValueError, match=r"report.budget=.*expected a positive size such as 12GiB"):
+        parse_size(text, "report.budget")
 
 
 def test_pareto_front_keeps_what_nothing_beats():
@@ -76,8 +77,8 @@ def test_budget_names_the_fastest_and_the_most_accurate_that_fit():
         result(["optim=adamw"], 13.0, 0.8, 0.95, optim="adamw"),
         result(["optim=adafactor"], 9.0, 1.1, 0.85, optim="adafactor"),
     )
-    choice = pick(rows, parse_size("12GiB"))
+    choice = pick(rows, parse_size("12GiB", "report.budget"))
     assert [r.job for r in choice.fitting] == ["0", "1", "3"]
     assert choice.fastest.job == "0"
     assert choice.most_accurate.job == "1"
-    assert not pick(rows, parse_size("1GiB")).fitting
+    assert not pick(rows, parse_size("1GiB", "report.budget")).fitting

@@ -217,5 +217,5 @@ def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):
     sweep_dir = tmp_path / "budget"
     done = sweep(sweep_dir, *TINY, "report.budget=lots", "checkpointing=none,full")
     assert done.returncode != 0
-    assert "report.budget=lots: expected a size such as 12GiB" in done.stderr
+    assert "report.budget=lots: expected a positive size such as 12GiB" in done.stderr
     assert not list(sweep_dir.glob("*/result.json"))

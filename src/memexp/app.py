@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import hydra
@@ -10,9 +13,11 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
+from memexp import distributed
 from memexp.config import config_dir
+from memexp.find_batch import find_batch_size
 from memexp.loggers import NoLogger, RunInfo
-from memexp.result import RunRecord, summary
+from memexp.result import RunRecord, record_killed, summary, write_json_atomic
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer, build, device_name, is_out_of_memory
 
 log = logging.getLogger("memexp")
@@ -20,38 +25,110 @@ log = logging.getLogger("memexp")
 
 def status_of(error: BaseException) -> str:
     """How a run that raised ended: out of memory, diverged, or failed."""
-    if isinstance(error, OutOfMemory) or is_out_of_memory(error):
+    if is_out_of_memory(error):
         return "oom"
     return "nan" if isinstance(error, NonFiniteLoss) else "failed"
 
 
 def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
                group: str) -> dict:
-    """Build, train and record one run in `run_dir`; raises after recording a failure."""
-    record = RunRecord(run_dir / "result.json", config=OmegaConf.to_container(cfg, resolve=True),
-                       choices=choices, overrides=overrides)
+    """Build, train and record this rank's part of one run in `run_dir`; raises after recording
+    a failure. Rank 0 writes result.json and logs; in a run of several ranks, a rank that fails
+    leaves its traceback in `<run_dir>/ranks/` first, and rank 0's record names the rank that
+    failed first, with its traceback."""
+    rank, world_size = distributed.env_rank(), distributed.env_world_size()
+    if world_size > 1:
+        distributed.stop_on_sigterm()
+    record = RunRecord(run_dir / "result.json" if rank == 0 else None,
+                       config=OmegaConf.to_container(cfg, resolve=True), choices=choices,
+                       overrides=overrides)
     logger, trainer = NoLogger(), None  # until built, inside the record's try
     try:
-        logger = build(cfg.logger)
+        if rank == 0:  # only rank 0 logs
+            logger = build(cfg.logger)
         record.payload["logger"] = logger.start(RunInfo(
             run_dir, record.payload["config"], record.payload["techniques"], group,
             resume=cfg.trainer.resume == "auto"))
+        if cfg.data.batch_size == "auto":  # the largest batch that fits, found by trying
+            search = find_batch_size(cfg)
+            cfg.data.batch_size = search.batch_size
+            record.payload["batch_search"] = search.as_dict()
+            record.payload["config"] = OmegaConf.to_container(cfg, resolve=True)
         trainer = Trainer(cfg, run_dir)
         record.payload["env"]["device_name"] = device_name(trainer.device)
         trainer.fit(logger)
-        record.finish("ok", memory=trainer.meter.report(), metrics=trainer.summary_metrics())
+        record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
     except BaseException as error:
+        status, cause = status_of(error), error
         memory = trainer.meter.report() if trainer is not None else None
         if memory is not None and isinstance(error, OutOfMemory):
             memory["oom"] = {"phase": error.phase, "step": error.step}
+        if world_size > 1:
+            distributed.record_failure(run_dir, rank, status, error)
+            first = distributed.first_failure(run_dir)
+            record.payload["failed_rank"] = first["rank"]
+            status, cause = first["status"], first["error"]
         metrics = trainer.summary_metrics() if trainer is not None else None
-        record.finish(status_of(error), memory=memory, metrics=metrics, error=error)
+        record.finish(status, memory=memory, metrics=metrics, error=cause)
         logger.finish(record.payload, exit_code=1)
-        log.error(summary(record.payload, run_dir))
+        if rank == 0:
+            log.error(summary(record.payload, run_dir))
         raise
+    finally:
+        distributed.destroy_process_group()
     logger.finish(record.payload, exit_code=0)
-    log.info("\n" + summary(record.payload, run_dir))
+    if rank == 0:
+        log.info("\n" + summary(record.payload, run_dir))
     return record.payload
+
+
+def ranks_memory(trainer: Trainer) -> dict:
+    """The `memory` section: one process's report; across ranks, the report of the rank with the
+    highest peak, its number, and every rank's report in `per_rank` (a collective)."""
+    reports = trainer.parallel.gather(trainer.meter.report())
+    if len(reports) == 1:
+        return reports[0]
+    top = max(range(len(reports)), key=lambda r: reports[r]["peak_bytes"] or 0)
+    return {**reports[top], "rank": top, "per_rank": reports}
+
+
+@dataclass
+class Job:
+    """One run, resolved once (plain, picklable data): what each of its ranks needs."""
+
+    config: dict
+    run_dir: Path
+    choices: dict[str, str]
+    overrides: list[str]
+    group: str
+
+    def run(self) -> dict:
+        return run_config(OmegaConf.create(self.config), self.run_dir, self.choices,
+                          self.overrides, self.group)
+
+
+def run_ranks(job: Job, nproc: int) -> dict:
+    """trainer.nproc=N: this process spawns N local ranks and waits for all of them; rank 0
+    writes result.json, and this process logs its summary."""
+    failed = distributed.spawn(job.run, (), nproc)
+    path = job.run_dir / "result.json"
+    codes = ", ".join(f"rank {rank} exit code {code}" for rank, code in failed.items())
+    # Rank 0 records every failure it lives to see. A rank killed outright (SIGKILL, the OOM
+    # killer) records nothing, and is the cause: the others only lost their connection to it.
+    killed = [rank for rank in failed if not distributed.failure_recorded(job.run_dir, rank)]
+    if killed:
+        record_killed(path, job.overrides, f"trainer.nproc={nproc}: {codes}")
+        result = json.loads(path.read_text())
+        result.update(status="killed", failed_rank=killed[0],
+                      error=f"rank {killed[0]} was killed (exit code {failed[killed[0]]}) "
+                            f"before it could record an error; {codes}\n{result['error']}")
+        write_json_atomic(path, result)
+    result = json.loads(path.read_text())
+    if failed:
+        log.error(summary(result, job.run_dir))
+        raise RuntimeError(f"trainer.nproc={nproc}: {codes}; see {path}")
+    log.info("\n" + summary(result, job.run_dir))
+    return result
 
 
 def run(cfg: DictConfig) -> dict:
@@ -61,9 +138,38 @@ def run(cfg: DictConfig) -> dict:
     # A sweep's jobs share a group: the sweep folder's name.
     multirun = hydra_cfg.mode == RunMode.MULTIRUN
     group = Path(hydra_cfg.sweep.dir).name if multirun else run_dir.name
-    return run_config(cfg, run_dir, dict(hydra_cfg.runtime.choices),
-                      list(hydra_cfg.overrides.task), group)
+    nproc, launched = cfg.trainer.nproc, distributed.env_world_size()
+    if nproc > 1 and launched > 1:
+        raise ValueError(f"trainer.nproc={nproc} in a run that its launcher (torchrun or "
+                         f"hydra.launcher.tasks_per_node) already started as {launched} "
+                         "processes; use one or the other.")
+    job = Job(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), run_dir,
+              dict(hydra_cfg.runtime.choices), list(hydra_cfg.overrides.task), group)
+    if distributed.under_torchrun():  # only rank 0 runs Hydra; the others wait for its job
+        distributed.share_job(job)
+    return run_ranks(job, nproc) if nproc > 1 else job.run()
+
+
+def follow_rank_zero() -> None:
+    """torchrun's ranks > 0: run the job rank 0 resolved, in its run folder."""
+    job = distributed.receive_job()
+    if job is None:
+        raise SystemExit(f"memexp: rank {distributed.env_rank()}: rank 0 could not compose "
+                         "the config; its error says why")
+    job.run()
 
 
 def main() -> None:
-    hydra.main(version_base="1.3", config_path=str(config_dir()), config_name="train")(run)()
+    distributed.refuse_multirun(sys.argv)
+    hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
+                            config_name="train")(run)
+    if not distributed.under_torchrun():
+        hydra_main()
+    elif distributed.env_rank() > 0:
+        follow_rank_zero()
+    else:
+        try:
+            hydra_main()
+        finally:  # a config that did not compose: the other ranks must not wait for a job
+            if not distributed.job_shared():
+                distributed.share_job(None)

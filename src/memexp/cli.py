@@ -7,7 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from memexp.result import summary
+from hydra.errors import HydraException
+from omegaconf.errors import OmegaConfBaseException
+
+from memexp.result import mib, summary
 
 
 def show(args: argparse.Namespace) -> int:
@@ -36,6 +39,49 @@ def report(args: argparse.Namespace) -> int:
     return 0
 
 
+def estimate(args: argparse.Namespace) -> int:
+    from memexp.estimate import compose_config, describe
+    from memexp.estimate import estimate as predict
+
+    result = predict(compose_config(args.overrides), target=args.target)
+    if args.json:
+        print(json.dumps({"memory": result.memory, "parameters": result.parameters,
+                          "flops_per_step": result.flops, "seconds": result.seconds,
+                          "target": result.target}, indent=2))
+    else:
+        print(describe(compose_config(args.overrides), result))
+    return 0
+
+
+def find_batch(args: argparse.Namespace) -> int:
+    from memexp.estimate import compose_config
+    from memexp.find_batch import find_batch_size
+
+    search = find_batch_size(compose_config(args.overrides))
+    for probe in search.probes:
+        peak = mib(probe["peak_bytes"]) if probe["fits"] else "out of memory"
+        print(f"  batch {probe['batch_size']:>6}: {peak}")
+    print(f"memexp find-batch: data.batch_size={search.batch_size} is the largest that fits in "
+          f"{search.limit}")
+    return 0
+
+
+def plan(args: argparse.Namespace) -> int:
+    from memexp import plan as planner
+
+    budgets = [a for a in args.arguments if a.startswith("budget=")]
+    if len(budgets) != 1:
+        raise ValueError("memexp plan needs one budget=<size>, such as budget=24GiB")
+    budget = budgets[0].split("=", 1)[1]
+    arguments = [a for a in args.arguments if not a.startswith("budget=")]
+    plans = planner.plan(arguments, budget, args.target)
+    print(planner.describe(arguments, budget, plans))
+    if args.verify:
+        print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
+                                     args.verify_steps))
+    return 0 if any(p.fits for p in plans) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memexp", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -48,8 +94,40 @@ def main(argv: list[str] | None = None) -> int:
     report_parser.add_argument("--budget", help="a device size such as 12GiB: name the fastest "
                                "and the most accurate configs that fit")
     report_parser.set_defaults(handler=report)
+    estimate_parser = commands.add_parser(
+        "estimate", help="predict a run's peak memory by phase and category, allocating nothing")
+    estimate_parser.add_argument("overrides", nargs="*",
+                                 help="what you would give train.py: model=transformer ...")
+    estimate_parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
+                                 help="cuda: model the caching allocator (allocated and reserved)")
+    estimate_parser.add_argument("--json", action="store_true", help="print JSON")
+    estimate_parser.set_defaults(handler=estimate)
+    batch_parser = commands.add_parser(
+        "find-batch", help="the largest data.batch_size that fits the GPU or memory.budget")
+    batch_parser.add_argument("overrides", nargs="*", help="train.py overrides, with "
+                              "memory.budget=<size> on CPU")
+    batch_parser.set_defaults(handler=find_batch)
+    plan_parser = commands.add_parser(
+        "plan", help="the technique combinations that fit a budget, cheapest first")
+    plan_parser.add_argument("arguments", nargs="*", help="budget=24GiB, then train.py overrides;"
+                             " precision=fp32,bf16 (and checkpointing, optim, bn_mode, "
+                             "optim.accumulate) narrows the search")
+    plan_parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
+                             help="cuda: model the caching allocator (fits = reserved memory)")
+    plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
+                             help="run the K cheapest plans for real and compare")
+    plan_parser.add_argument("--verify-steps", type=int, default=5,
+                             help="steps of each verification run")
+    plan_parser.set_defaults(handler=plan)
     args = parser.parse_args(argv)
-    return args.handler(args)
+    try:
+        return args.handler(args)
+    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as error:
+        # Bad input, named by the check that failed (Hydra's own lists the valid options; its
+        # config search path is left out).
+        message = str(error).split("\nConfig search path")[0].strip()
+        print(f"memexp {args.command}: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -59,6 +59,9 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     # auto: a run whose folder has a checkpoint (a requeued or rerun job) continues from it
     resume: Resume = Resume.auto
+    # processes a plain `python train.py` starts on this machine (ranks of parallel=ddp|zero1|
+    # fsdp); under torchrun or hydra.launcher.tasks_per_node leave it at 1
+    nproc: int = 1
 
 
 class EmptyCache(str, enum.Enum):
@@ -75,6 +78,16 @@ class MemoryConfig:
     # free cached memory (gc.collect, and torch.cuda.empty_cache on CUDA) at these points: the
     # source's tips 10 and 13. It lowers reserved memory, not the peak allocated.
     empty_cache: EmptyCache = EmptyCache.never
+    # pretend the device has this size (16GiB, 16GB, 500MiB): CUDA through the per-process
+    # memory fraction; on CPU the tracker raises torch.OutOfMemoryError once live tensor bytes
+    # pass it. The run then ends with status oom, its peak and the phase, as on such a device.
+    budget: Optional[str] = None  # noqa: UP045 (OmegaConf needs Optional)
+    # a memory snapshot in <run dir>/memory/ at the end of the run and on an OOM: CUDA's
+    # allocator history (memory_snapshot.pickle, for pytorch.org/memory_viz), or on CPU a
+    # timeline of live bytes by category (memory_timeline.png and .csv)
+    snapshot: bool = False
+    # the most events a snapshot keeps (CUDA allocator history entries, CPU timeline points)
+    snapshot_max_entries: int = 100_000
 
 
 @dataclass
@@ -109,7 +122,7 @@ GROUP_TARGETS: dict[str, tuple] = {
     "checkpointing": (checkpointing.NoCheckpointing, checkpointing.CheckpointBlocks,
                       checkpointing.CheckpointModules, checkpointing.CheckpointSequential,
                       checkpointing.OffloadActivations),
-    "parallel": (parallel.NoParallel,),
+    "parallel": (parallel.NoParallel, parallel.DDP, parallel.ZeRO1, parallel.FSDP),
     "bn_mode": (bn_mode.TrainBN, bn_mode.EvalBN, bn_mode.EfficientEvalBN, bn_mode.SyncBN,
                 bn_mode.GroupNormBN),
     "logger": (loggers.NoLogger, loggers.CsvLogger, loggers.WandbLogger),

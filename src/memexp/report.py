@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,23 +22,12 @@ from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from memexp.memory.sizes import parse_size
 from memexp.result import CATEGORY_ORDER, GROUPS, mib
 
 log = logging.getLogger("memexp")
 MIB = 2**20
-UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-         "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 BASELINE = {"precision": "fp32", "checkpointing": "none", "bn_mode": "train"}
-
-
-def parse_size(text: str, key: str = "report.budget") -> int:
-    """'12GiB', '16GB', '500 MiB', or a number of bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = (match.group(2) or "b").lower() if match else None
-    if unit not in UNITS:
-        raise ValueError(f"{key}={text}: expected a size such as 12GiB, 16GB or 500MiB "
-                         f"(units: {', '.join(sorted(UNITS, key=UNITS.get))})")
-    return int(float(match.group(1)) * UNITS[unit])
 
 
 def is_technique_key(key: str) -> bool:
@@ -286,7 +274,7 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
     sweep_dir = Path(sweep_dir)
     rows = load_rows(sweep_dir)
     table = markdown_table(rows)
-    choice = pick(rows, parse_size(budget)) if budget else None
+    choice = pick(rows, parse_size(budget, "report.budget")) if budget else None
     lines = [f"# Sweep {sweep_dir.name}", "", f"{len(rows)} jobs: " + ", ".join(
         f"{sum(r.status == s for r in rows)} {s}" for s in sorted({r.status for r in rows})),
         "", table, ""]
@@ -327,7 +315,7 @@ class ReportCallback(Callback):
         # A bad budget must stop the sweep before its jobs run, not after the last one.
         if config.report.budget is not None:
             try:
-                parse_size(config.report.budget)
+                parse_size(config.report.budget, "report.budget")
             except ValueError as error:
                 raise SystemExit(f"memexp: {error}") from None
 

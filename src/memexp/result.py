@@ -32,7 +32,10 @@ def write_json_atomic(path: Path, payload: dict) -> None:
 
 
 class RunRecord:
-    def __init__(self, path: Path, config: dict, choices: dict[str, str], overrides: list[str]):
+    """`path` None: a rank > 0 of a multi-rank run, whose record rank 0 writes."""
+
+    def __init__(self, path: Path | None, config: dict, choices: dict[str, str],
+                 overrides: list[str]):
         self.path = path
         self.payload: dict = {
             "status": "running",
@@ -51,14 +54,20 @@ class RunRecord:
             "started_at": now(),
             "finished_at": None,
         }
-        write_json_atomic(self.path, self.payload)
+        self._write()
 
     def finish(self, status: str, memory: dict | None = None, metrics: dict | None = None,
-               error: BaseException | None = None) -> None:
+               error: BaseException | str | None = None) -> None:
+        """`error`: the exception, or a traceback already formatted (another rank's)."""
         self.payload.update(status=status, memory=memory, metrics=metrics, finished_at=now())
         if error is not None:
-            self.payload["error"] = "".join(traceback.format_exception(error))
-        write_json_atomic(self.path, self.payload)
+            self.payload["error"] = (error if isinstance(error, str)
+                                     else "".join(traceback.format_exception(error)))
+        self._write()
+
+    def _write(self) -> None:
+        if self.path is not None:
+            write_json_atomic(self.path, self.payload)
 
 
 def record_killed(path: Path, overrides: list[str], reason: str) -> None:
@@ -100,8 +109,17 @@ def summary(result: dict, run_dir: Path | str) -> str:
         phases = " | ".join(f"{name} {mib(p['peak_bytes'])}"
                             for name, p in memory["phases"].items())
         lines.append(f"    by phase   {phases}")
+        if memory.get("per_rank"):
+            peaks = " | ".join(f"rank {r} {mib(m['peak_bytes'])}"
+                               for r, m in enumerate(memory["per_rank"]))
+            lines.append(f"    per rank   {peaks} (the above: rank {memory['rank']})")
     elif memory:
         lines.append(f"  peak memory  not measured (memory.track=false on {memory['device']})")
+    if memory and memory.get("leak"):
+        leak = memory["leak"]
+        lines.append(f"  LEAK?        live memory grew {leak['bytes_per_step']:,} bytes after each "
+                     f"of {leak['steps']} steps from step {leak['from_step']}: something keeps "
+                     "every step's tensors (the source's `total_loss += loss`)")
     metrics = result.get("metrics")
     if metrics and metrics.get("throughput"):
         lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
@@ -118,6 +136,8 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if metrics and metrics.get("bad_steps"):
         lines.append(f"  non-finite   {metrics['bad_steps']} steps had a NaN or infinite loss; "
                      "their updates were skipped")
+    if result.get("failed_rank") is not None:
+        lines.append(f"  failed rank  {result['failed_rank']} (its traceback is the error)")
     if result.get("error"):
         lines.append("  error        " + result["error"].strip().splitlines()[-1])
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")

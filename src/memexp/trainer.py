@@ -24,6 +24,8 @@ from tqdm import tqdm
 from memexp import checkpoint
 from memexp.data import Batch, TensorData
 from memexp.memory import MemoryMeter
+from memexp.memory.allocator import CachingAllocatorModel
+from memexp.memory.sizes import parse_size
 from memexp.techniques import check_combination
 
 log = logging.getLogger("memexp")
@@ -84,18 +86,24 @@ class NonFiniteLoss(RuntimeError):
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's OutOfMemoryError, or the CPU allocator's failure (a plain RuntimeError)."""
-    return isinstance(error, torch.OutOfMemoryError) or (
+    """CUDA's OutOfMemoryError (memory.budget's too), the CPU allocator's failure (a plain
+    RuntimeError), or a run that ended on either (OutOfMemory)."""
+    return isinstance(error, (torch.OutOfMemoryError, OutOfMemory)) or (
         isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
 def validate(trainer: DictConfig) -> None:
     """Out-of-range trainer keys, before anything is built."""
     minimum = {"max_steps": 1, "eval_every": 0, "warmup_steps": 0, "log_every": 1,
-               "max_bad_steps": 1, "checkpoint_every": 0, "keep_checkpoints": 1}
+               "max_bad_steps": 1, "checkpoint_every": 0, "keep_checkpoints": 1, "nproc": 1}
     for key, least in minimum.items():
         if trainer[key] < least:
             raise ValueError(f"trainer.{key}={trainer[key]}: must be >= {least}")
+
+
+def memory_budget(memory: DictConfig) -> int | None:
+    """memory.budget in bytes, or None."""
+    return None if memory.budget is None else parse_size(memory.budget, "memory.budget")
 
 
 @dataclass
@@ -111,9 +119,11 @@ class Metrics:
 
 class Trainer:
     """Build with `Trainer(cfg, run_dir)`, train with `fit()`; the meter is `trainer.meter`.
-    Checkpoints need a run folder (they live in `<run_dir>/checkpoints`)."""
+    Checkpoints need a run folder (they live in `<run_dir>/checkpoints`). Estimates pass an
+    `allocator` model, and `data` built outside their fake tensors."""
 
-    def __init__(self, cfg: DictConfig, run_dir: Path | None = None):
+    def __init__(self, cfg: DictConfig, run_dir: Path | None = None,
+                 allocator: CachingAllocatorModel | None = None, data: TensorData | None = None):
         self.cfg = cfg
         validate(cfg.trainer)
         if cfg.trainer.checkpoint_every and run_dir is None:
@@ -121,13 +131,18 @@ class Trainer:
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else None
         self.device = pick_device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed)
-        self.data: TensorData = build(cfg.data)
+        self.data: TensorData = build(cfg.data) if data is None else data
         self.precision = build(cfg.precision)
         self.checkpointing = build(cfg.checkpointing)
         self.bn_mode = build(cfg.bn_mode)
         self.parallel = build(cfg.parallel)
         self.optim = build(cfg.optim)
-        check_combination(self.precision, self.optim, self.parallel)
+        check_combination(self.precision, self.optim, self.parallel, self.bn_mode)
+        if cfg.trainer.checkpoint_every and self.parallel.distributed:
+            raise ValueError(
+                "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
+                "replicated runs are not supported yet. Use trainer.checkpoint_every=0, or "
+                "parallel=none.")
 
         # The techniques, in this order:
         model = build_model(cfg.model)
@@ -138,13 +153,22 @@ class Trainer:
         model = self.precision.apply(model.to(self.device))
         # 3. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
-        # 4. Parallel wrappers (DDP, FSDP) go outermost.
-        self.model = self.parallel.apply(model)
+        # 4. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
+        #    precision's compute dtype.
+        self.model = self.parallel.apply(model, self.precision.autocast_dtype)
         # 5. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
-        self.meter = MemoryMeter(self.device, track=cfg.memory.track)
-        self.meter.watch(self.model)
-        # 6. The optimizer last, over the parameters as they now are (or their master copies).
-        self.optimizer = self.optim.build(self.precision.parameters(self.model))
+        #    FSDP's CPU offload keeps the (sharded) parameters in host memory.
+        self.meter = MemoryMeter(
+            self.device, track=cfg.memory.track, budget=memory_budget(cfg.memory),
+            snapshot_to=self.snapshot_folder(cfg.memory, run_dir),
+            snapshot_entries=cfg.memory.snapshot_max_entries,
+            warmup_steps=cfg.trainer.warmup_steps, allocator=allocator)
+        with self.parallel.offloaded():
+            self.meter.watch(self.parallel.watched(self.model))
+        # 6. The optimizer last, over the parameters as they now are (or their master copies);
+        #    zero1 shards its state across ranks.
+        self.optimizer = self.parallel.optimizer(self.optim,
+                                                 self.precision.parameters(self.model))
         self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
         self.metrics = Metrics()
@@ -173,8 +197,12 @@ class Trainer:
                 del batch
                 with meter.phase("backward"):
                     self.precision.backward(loss)
-            total += loss.item()  # a float: no graph outlives its step
-        with meter.phase("optimizer"):
+            # The mean over all ranks' samples: the global batch's loss, and the same value on
+            # every rank, so that all take the same decisions about non-finite losses.
+            # A float: no graph outlives its step.
+            total += self.parallel.all_reduce_sum(loss.detach()).item() / self.parallel.world_size
+        # With FSDP's CPU offload the step runs on the host, where its state lives.
+        with meter.phase("optimizer"), self.parallel.offloaded():
             if math.isfinite(total):
                 # A step skipped for non-finite gradients (fp16 loss scaling) is counted.
                 self.metrics.skipped_steps += not self.precision.step(self.optimizer)
@@ -183,6 +211,7 @@ class Trainer:
                 self.metrics.bad_steps += 1
             # Free the gradients now: no need for this memory until the next backward.
             self.optimizer.zero_grad(set_to_none=True)
+        meter.end_step()
         return total
 
     @torch.inference_mode()
@@ -288,6 +317,14 @@ class Trainer:
         return state["step"]
 
     # -- memory --------------------------------------------------------------------------------
+    @staticmethod
+    def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
+        if not memory.snapshot:
+            return None
+        if run_dir is None:
+            raise ValueError("memory.snapshot=true needs a run folder to write the snapshot in")
+        return run_dir / "memory"
+
     def free_cached_memory(self) -> None:
         gc.collect()
         if self.device.type == "cuda":

@@ -52,6 +52,16 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                         for job, (overrides, number) in zip(submitted, chunk, strict=True)]
         return returns
 
+    def __call__(self, *args, **kwargs):
+        """One task of a submitted job. With hydra.launcher.tasks_per_node=N each task is a rank
+        of the run: submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE,
+        MASTER_ADDR and MASTER_PORT (and one GPU per task) for parallel=ddp|zero1|fsdp."""
+        import submitit
+
+        if submitit.JobEnvironment().num_tasks > 1:
+            submitit.helpers.TorchDistributedEnvironment().export()
+        return super().__call__(*args, **kwargs)
+
     def _executor(self, submitit):
         raise NotImplementedError
 

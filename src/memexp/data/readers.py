@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from memexp.data.tensors import Split, TensorData
+from memexp.data.tensors import BatchSize, Split, TensorData
 
 CIFAR10_MEAN = (0.4914, 0.4822, 0.4465)
 CIFAR10_STD = (0.2470, 0.2435, 0.2616)
@@ -50,8 +50,8 @@ def _missing(root: Path, folder: Path, what: str, files: list[str],
 
 def cifar10(
     root: str = "data",
-    batch_size: int = 64,
-    eval_batch_size: int = 256,
+    batch_size: BatchSize = 64,
+    eval_batch_size: BatchSize = 256,
     num_classes: int = 10,
     channels: int = 3,
     image_size: int = 32,
@@ -105,8 +105,8 @@ def read_idx(path: Path) -> np.ndarray:
 
 def mnist(
     root: str = "data",
-    batch_size: int = 64,
-    eval_batch_size: int = 256,
+    batch_size: BatchSize = 64,
+    eval_batch_size: BatchSize = 256,
     num_classes: int = 10,
     channels: int = 1,
     image_size: int = 28,

@@ -5,12 +5,12 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from memexp.data.tensors import Split, TensorData
+from memexp.data.tensors import BatchSize, Split, TensorData
 
 
 def synthetic_images(
-    batch_size: int = 64,
-    eval_batch_size: int = 64,
+    batch_size: BatchSize = 64,
+    eval_batch_size: BatchSize = 64,
     num_classes: int = 10,
     channels: int = 3,
     image_size: int = 32,
@@ -32,17 +32,23 @@ def synthetic_images(
         labels = torch.randint(num_classes, (count,), generator=generator)
         shifts = torch.randint(-max_shift, max_shift + 1, (count, 2), generator=generator)
         pixels = torch.randn(count, channels, image_size, image_size, generator=generator)
-        for i, (dy, dx) in enumerate(shifts.tolist()):
-            pixels[i] += patterns[labels[i]].roll((dy, dx), dims=(1, 2))
-        return Split(pixels, labels)
+        # Each sample's pattern rolled by its (dy, dx), for all samples at once: row y of the
+        # rolled image is row (y - dy) mod size of the pattern.
+        positions = torch.arange(image_size)
+        rows = (positions - shifts[:, :1]) % image_size  # (count, size)
+        cols = (positions - shifts[:, 1:]) % image_size
+        rolled = patterns[labels]
+        rolled = rolled.gather(2, rows[:, None, :, None].expand_as(rolled))
+        rolled = rolled.gather(3, cols[:, None, None, :].expand_as(rolled))
+        return Split(pixels + rolled, labels)
 
     train = split(num_train)
     return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed)
 
 
 def synthetic_tokens(
-    batch_size: int = 16,
-    eval_batch_size: int = 16,
+    batch_size: BatchSize = 16,
+    eval_batch_size: BatchSize = 16,
     vocab_size: int = 64,
     seq_len: int = 64,
     num_train: int = 2048,

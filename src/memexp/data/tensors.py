@@ -9,6 +9,9 @@ import torch
 from torch import Tensor
 
 Batch = tuple[Tensor, Tensor]
+# A number of samples, or "auto" for data.batch_size: the largest that fits (memexp.find_batch).
+# OmegaConf cannot type a union, so the data builders check it (TensorData).
+BatchSize = int | str
 
 
 @dataclass
@@ -47,8 +50,9 @@ class TensorData:
     ):
         for key, value in (("data.batch_size", batch_size),
                            ("data.eval_batch_size", eval_batch_size)):
-            if value < 1:
-                raise ValueError(f"{key}={value}: must be a positive number of samples")
+            if type(value) is not int or value < 1:
+                raise ValueError(f"{key}={value!r}: must be a positive number of samples "
+                                 "(data.batch_size=auto is resolved before the data is built)")
         self.train, self.eval = train, eval
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed = seed

@@ -13,15 +13,28 @@ The category breakdown always comes from the tracker (the allocator knows sizes,
 
 from __future__ import annotations
 
+import itertools
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from memexp.memory.allocator import CachingAllocatorModel
+from memexp.memory.timeline import Timeline
 from memexp.memory.tracker import IDLE, LiveStorageTracker, tensor_storages
 
 PHASES = ("forward", "backward", "optimizer", "eval", IDLE)
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
+
+
+def limit_cuda_memory(device: torch.device, budget: int) -> None:
+    """Let this process allocate at most `budget` bytes of the device (memory.budget)."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    if budget > total:
+        raise ValueError(f"memory.budget={budget / 2**30:.2f} GiB is more than the "
+                         f"{total / 2**30:.2f} GiB of {torch.cuda.get_device_name(device)}")
+    torch.cuda.set_per_process_memory_fraction(budget / total, device)
 
 
 class CudaCounters:
@@ -56,17 +69,49 @@ class CudaCounters:
         }
 
 
+def find_leak(live_after_steps: list[int], warmup_steps: int) -> dict | None:
+    """Live memory that grows after every step past warm-up: something keeps each step's tensors
+    (the source's `total_loss += loss`, which keeps every step's graph). Needs 3 such steps."""
+    first = max(warmup_steps, 1)  # step 1 creates the optimizer state: never steady
+    growth = [b - a for a, b in itertools.pairwise(live_after_steps[first:])]
+    if len(growth) < 3 or min(growth) <= 0:
+        return None
+    return {"bytes_per_step": sum(growth) // len(growth), "steps": len(growth),
+            "from_step": first + 1}
+
+
 class MemoryMeter:
-    """Use as a context around the training loop; mark phases with `meter.phase(name)`.
+    """Use as a context around the training loop; mark phases with `meter.phase(name)` and the end
+    of each optimizer step with `meter.end_step()`.
 
     With `track=False` the storage tracker is off and the loop runs at full speed; on CUDA the
     device counters still give the peaks (they cost nothing), on CPU nothing is measured.
+
+    `budget` (bytes) makes the device behave as if it had that size: on CUDA through the
+    per-process memory fraction, elsewhere by the tracker raising torch.OutOfMemoryError.
+    `snapshot_to` (a folder) gets a memory snapshot when the meter's context exits, normally or
+    by an error: CUDA's allocator history (for pytorch.org/memory_viz), or on CPU a timeline of
+    live bytes by category; at most `snapshot_entries` events are kept. `allocator` (estimates
+    for CUDA) counts each storage as the caching allocator's block for it.
     """
 
-    def __init__(self, device: torch.device, track: bool = True):
+    def __init__(self, device: torch.device, track: bool = True, budget: int | None = None,
+                 snapshot_to: Path | None = None, snapshot_entries: int = 100_000,
+                 warmup_steps: int = 3, allocator: CachingAllocatorModel | None = None):
         self.device = device
-        self.tracker = LiveStorageTracker(self._roles) if track else None
-        self.counters = CudaCounters(device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        if not (track or cuda) and (budget or snapshot_to):
+            raise ValueError("memory.budget and memory.snapshot on CPU need memory.track=true: "
+                             "the live-storage tracker is what counts the bytes")
+        timeline = Timeline(snapshot_entries) if snapshot_to and not cuda else None
+        self.tracker = (LiveStorageTracker(self._roles, None if cuda else budget, timeline,
+                                           allocator) if track else None)
+        self.counters = CudaCounters(device) if cuda else None
+        if budget is not None and cuda:
+            limit_cuda_memory(device, budget)
+        self.snapshot_to, self.snapshot_entries = snapshot_to, snapshot_entries
+        self.warmup_steps = warmup_steps
+        self.live_after_steps: list[int] = []
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self.last_phase: str | None = None  # the last named phase entered (OOM reports use it)
@@ -93,6 +138,12 @@ class MemoryMeter:
 
     def __enter__(self) -> MemoryMeter:
         self._active = ExitStack()
+        if self.snapshot_to is not None:
+            self._active.callback(self.write_snapshot)
+            if self.counters is not None:
+                # Python frames only: full C++ stacks have taken minutes to symbolize at dump time.
+                torch.cuda.memory._record_memory_history(
+                    "all", context="all", stacks="python", max_entries=self.snapshot_entries)
         if self.tracker is not None:
             # torch.compile cannot run under a TorchDispatchMode: compiled code (torchao's 8-bit
             # optimizer step, for one) runs eagerly while the tracker watches.
@@ -102,6 +153,21 @@ class MemoryMeter:
 
     def __exit__(self, *exc) -> None:
         self._active.__exit__(*exc)
+
+    def write_snapshot(self) -> None:
+        folder = self.snapshot_to
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.counters is not None:
+            torch.cuda.memory._dump_snapshot(str(folder / "memory_snapshot.pickle"))
+            torch.cuda.memory._record_memory_history(None)
+        else:
+            self.tracker.timeline.write(folder)
+
+    def end_step(self) -> None:
+        """After each optimizer step: what stays alive between steps, for leak detection."""
+        live = self.live_bytes()
+        if live is not None:
+            self.live_after_steps.append(live)
 
     def phase(self, name: str) -> AbstractContextManager:
         """Mark a phase of the step; a shared null context when nothing is measured."""
@@ -195,6 +261,7 @@ class MemoryMeter:
             peaks = dict(self.counters.peaks)
         else:
             peaks = {name: p.peak_bytes for name, p in tracked.items()}
+        report["leak"] = find_leak(self.live_after_steps, self.warmup_steps)
         if not peaks:
             return report
         for name in PHASES:

@@ -20,6 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from memexp.memory.allocator import CachingAllocatorModel
+from memexp.memory.timeline import Timeline
+
 # Live storages are grouped into these categories when a peak is recorded.
 CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
 # Storages created while `host_resident()` is active (offloaded activations, CPU-offloaded
@@ -72,6 +75,9 @@ class _Storage:
     phase: str
     host: bool
     grad: bool = False
+    # the storage's own size; `nbytes` is what the device holds for it (with `allocator`, the
+    # caching allocator's rounded block)
+    requested: int = 0
 
 
 @dataclass
@@ -88,7 +94,9 @@ def tensor_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The real storages behind a tensor; wrapper subclasses (DTensor) are opened up."""
     if is_traceable_wrapper_subclass(tensor):
         names, _ = tensor.__tensor_flatten__()
-        return [s for name in names for s in tensor_storages(getattr(tensor, name))]
+        # DTensor (torch >= 2.10) also names its device mesh, which holds no storage.
+        inner = (getattr(tensor, name) for name in names)
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in tensor_storages(t)]
     try:
         return [tensor.untyped_storage()]
     except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
@@ -103,9 +111,17 @@ class LiveStorageTracker(TorchDispatchMode):
     created it (see ACTIVATION_PHASES).
     """
 
-    def __init__(self, roles: Callable[[], dict[int, str]] = dict):
+    def __init__(self, roles: Callable[[], dict[int, str]] = dict, budget: int | None = None,
+                 timeline: Timeline | None = None,
+                 allocator: CachingAllocatorModel | None = None):
         super().__init__()
         self._roles = roles
+        # estimates for CUDA: count each storage as the caching allocator's block for it
+        self.allocator = allocator
+        # memory.budget: the size of the device this run pretends to have
+        self.budget = budget
+        # memory.snapshot: live bytes by category after every op
+        self.timeline = timeline
         # Weakref callbacks may fire from autograd's threads: single dict operations only, and
         # iteration over a copy.
         self._live: dict[int, _Storage] = {}
@@ -127,6 +143,9 @@ class LiveStorageTracker(TorchDispatchMode):
         for leaf in leaves:
             if isinstance(leaf, torch.Tensor):
                 self.track(leaf)
+        if self.timeline is not None:
+            self.timeline.record(self.phase, self.current, self.activations_current,
+                                 self.grads_current, self.host_current)
         return out
 
     def track(self, *tensors: torch.Tensor) -> None:
@@ -143,23 +162,39 @@ class LiveStorageTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         known = self._live.get(key)
         if known is not None:
-            if known.nbytes == nbytes:
+            if known.requested == nbytes:
                 return False
-            grew = nbytes > known.nbytes and not known.host
-            self._add(known, nbytes - known.nbytes)  # resized in place
+            change = nbytes - known.requested  # resized in place
+            known.nbytes += change
+            known.requested = nbytes
+            self._add(known, change)
             if known.grad:
-                self._add_grad(nbytes - known.nbytes)
-            known.nbytes = nbytes
-            return grew
+                self._add_grad(change)
+            return change > 0 and not known.host
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
-        record = _Storage(None, nbytes, phase, _host_depth > 0)
+        record = _Storage(None, nbytes, phase, _host_depth > 0, requested=nbytes)
+        if self.allocator is not None and not record.host:
+            nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
+        if not record.host and self.budget is not None and self.current + nbytes > self.budget:
+            self._out_of_budget(nbytes)
         record.ref = weakref.ref(storage, lambda _, key=key: self._free(key))
         self._live[key] = record
         self._add(record, nbytes)
         return not record.host
 
+    def _out_of_budget(self, nbytes: int) -> None:
+        """Fail the way a device of `budget` bytes would: the allocation that does not fit raises
+        torch.OutOfMemoryError (what CUDA raises) and is never counted, so the peak is what the
+        device would have held. The tensor exists here, but the op's caller never gets it."""
+        raise torch.OutOfMemoryError(
+            f"memory.budget: tried to allocate {nbytes / 2**20:.2f} MiB in phase {self.phase} "
+            f"with {self.current / 2**20:.2f} MiB of live tensors; the emulated device holds "
+            f"{self.budget / 2**20:.2f} MiB")
+
     def _free(self, key: int) -> None:
         record = self._live.pop(key, None)
+        if self.allocator is not None:
+            self.allocator.free(key)
         if record is not None:
             self._add(record, -record.nbytes)
             if record.grad:
@@ -197,6 +232,14 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = phase
         if phase != IDLE:
             self._maybe_peak()
+        if self.timeline is not None:
+            self.timeline.set_states(self._state_bytes())
+
+    def _state_bytes(self) -> int:
+        """Live device bytes of parameters and optimizer state (roles known from outside)."""
+        roles = self._roles()
+        return sum(r.nbytes for key, r in self._live.copy().items()
+                   if not r.host and roles.get(key) in ("params", "optimizer"))
 
     def _maybe_peak(self) -> None:
         peak = self.peaks.setdefault(self.phase, PhasePeak())

@@ -36,7 +36,7 @@ def check_module_names(key: str, names: list[str], model: nn.Module) -> None:
         )
 
 
-def check_combination(precision, optim, parallel) -> None:
+def check_combination(precision, optim, parallel, bn_mode) -> None:
     """Refuse, before anything is built, the combinations that cannot work."""
     if optim.in_backward and precision.needs_all_grads:
         raise ValueError(
@@ -45,8 +45,17 @@ def check_combination(precision, optim, parallel) -> None:
             "(float16 loss scaling in precision=amp, or precision.master_weights=true). "
             "Use precision=fp32, bf16 or bf16_pure, or optim.in_backward=false."
         )
-    if optim.in_backward and parallel.world_size > 1:
+    if optim.in_backward and parallel.distributed:
         raise ValueError(
-            "optim.in_backward=true steps each parameter before its gradient is reduced across "
-            f"ranks, so it cannot run with {parallel.world_size} ranks; use parallel=none."
+            "optim.in_backward=true steps each parameter as soon as its gradient exists, before "
+            "parallel=ddp|zero1|fsdp has reduced (or sharded) it across ranks. Use "
+            "parallel=none, or optim.in_backward=false."
+        )
+    from memexp.techniques.bn_mode import SyncBN  # the module imports this one
+
+    if isinstance(bn_mode, SyncBN) and not parallel.distributed:
+        raise ValueError(
+            "bn_mode=sync computes BatchNorm statistics over all ranks' samples, and "
+            "parallel=none runs no process group. Use parallel=ddp, zero1 or fsdp (with "
+            "torchrun, trainer.nproc or hydra.launcher.tasks_per_node), or bn_mode=train."
         )

@@ -219,18 +219,53 @@ class EfficientEvalBN:
         return not self.modules or any(name == m or name.startswith(m + ".") for m in self.modules)
 
 
+class CrossRankBatchNorm(_BatchNorm):
+    """Synchronized BatchNorm on any device: batch statistics over every rank's samples, from
+    two differentiable all-reduces (the mean, then the variance around it, more exact than
+    E[x^2] - E[x]^2). nn.SyncBatchNorm's kernels are CUDA-only, and DDP refuses it on CPU.
+    Eval mode normalizes with the running statistics, as BatchNorm does."""
+
+    def _check_input_dim(self, input: Tensor) -> None:
+        if input.dim() < 2:
+            raise ValueError(f"expected at least 2D input (got {input.dim()}D input)")
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return super().forward(input)
+        from torch.distributed.nn.functional import all_reduce
+
+        dims, shape = [0, *range(2, input.dim())], (1, -1, *[1] * (input.dim() - 2))
+        count = torch.tensor(float(input.numel() // input.shape[1]), device=input.device)
+        dist.all_reduce(count)
+        x = input.float()  # statistics in fp32 (half-precision sums overflow), as cuDNN's
+        mean = all_reduce(x.sum(dims)) / count
+        centered = x - mean.view(shape)
+        var = all_reduce((centered * centered).sum(dims)) / count
+        out = centered * torch.rsqrt(var + self.eps).view(shape)
+        if self.affine:
+            out = out * self.weight.view(shape) + self.bias.view(shape)
+        if self.track_running_stats:
+            with torch.no_grad():
+                self.num_batches_tracked.add_(1)
+                factor = (self.momentum if self.momentum is not None
+                          else 1.0 / self.num_batches_tracked.item())
+                self.running_mean.lerp_(mean, factor)
+                self.running_var.lerp_(var * count / (count - 1), factor)
+        return out.to(input.dtype)
+
+
 @dataclass
 class SyncBN:
-    """SyncBatchNorm: batch statistics over all ranks' samples. Needs more than one process; a
-    single process warns and keeps ordinary BatchNorm."""
+    """SyncBatchNorm: batch statistics over all ranks' samples, so N ranks normalize as one
+    process with N times the batch would. Needs parallel=ddp|zero1|fsdp (check_combination)."""
 
     def apply(self, model: nn.Module) -> nn.Module:
-        world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-        if world == 1:
-            warnings.warn("bn_mode=sync needs more than one process and this run has one: "
-                          "falling back to bn_mode=train", stacklevel=2)
-            return model
-        return nn.SyncBatchNorm.convert_sync_batchnorm(model)
+        norms = batchnorms(model)
+        if not norms:
+            _no_batchnorm("sync", model)
+        for _, norm in norms:
+            norm.__class__ = CrossRankBatchNorm  # same parameters, buffers and state_dict
+        return model
 
 
 @dataclass

@@ -1,38 +1,234 @@
-"""parallel: how the model and its states are placed across ranks."""
+"""parallel: how the model, its gradients and its optimizer state are placed across ranks.
+
+`none` is one process. The others run on a process group (`memexp.distributed`): a 1-rank group
+in a plain `python train.py`, N ranks under torchrun, submitit's tasks_per_node or trainer.nproc.
+Each rank takes its own slice of every global batch (`TensorData.train_batches`).
+"""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
+import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from memexp.distributed import env_world_size, init_process_group
+from memexp.memory import host_resident
+from memexp.models import blocks_of
+from memexp.techniques import model_device
+
+# Normalization layers keep fp32 parameters under FSDP's half-precision all-gather: their
+# running statistics are fp32 buffers, and autocast runs them in fp32 anyway.
+NORMS = (_BatchNorm, nn.GroupNorm, nn.LayerNorm, nn.RMSNorm)
 
 
 class Parallel(Protocol):
     rank: int
     world_size: int
+    # Runs on a process group whose hooks reduce or shard the gradients (ddp, fsdp, zero1).
+    distributed: bool
 
-    def apply(self, model: nn.Module) -> nn.Module: ...
+    def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
+        """Wrap the model; `autocast_dtype` is the precision group's compute dtype, if any."""
+
+    def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+        """The optimizer over `params`, from an `optim` option (zero1 shards its state)."""
 
     def accumulating(self, active: bool) -> AbstractContextManager:
         """Around forward and backward of a micro-batch that is not the last of its step."""
 
+    def offloaded(self) -> AbstractContextManager:
+        """Around work whose tensors live in host memory under this option (the optimizer step,
+        with FSDP's CPU offload); the meter counts them as `offloaded`."""
+
+    def watched(self, model: nn.Module) -> nn.Module:
+        """What the meter watches for the parameters and buffers of `model`."""
+
     def all_reduce_sum(self, value: Tensor) -> Tensor: ...
+
+    def gather(self, value: Any) -> list:
+        """Every rank's `value`, in rank order (a collective: every rank calls it)."""
 
 
 @dataclass
 class NoParallel:
     """One process holds the whole model."""
 
-    rank: int = 0
-    world_size: int = 1
+    rank = 0
+    world_size = 1
+    distributed = False
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def __post_init__(self) -> None:
+        if env_world_size() > 1:
+            raise ValueError(
+                f"parallel=none in a run of {env_world_size()} processes (torchrun, "
+                "hydra.launcher.tasks_per_node or trainer.nproc): every process would train "
+                "its own copy. Choose parallel=ddp, zero1 or fsdp.")
+
+    def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         return model
+
+    def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+        return optim.build(params)
 
     def accumulating(self, active: bool) -> AbstractContextManager:
         return nullcontext()
 
+    def offloaded(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def watched(self, model: nn.Module) -> nn.Module:
+        return model
+
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         return value
+
+    def gather(self, value: Any) -> list:
+        return [value]
+
+
+@dataclass
+class _OnProcessGroup:
+    """What every option on a process group shares. timeout_s bounds each collective, so that a
+    rank that died or hangs fails the others soon instead of after torch's 10-30 minutes."""
+
+    timeout_s: float = 120.0
+    distributed = True
+
+    def __post_init__(self) -> None:
+        if not self.timeout_s > 0:
+            raise ValueError(f"parallel.timeout_s={self.timeout_s}: must be > 0 seconds")
+        self.rank, self.world_size = init_process_group(self.timeout_s)
+
+    def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+        return optim.build(params)
+
+    def offloaded(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def watched(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def all_reduce_sum(self, value: Tensor) -> Tensor:
+        total = value.clone()
+        dist.all_reduce(total)
+        return total
+
+    def gather(self, value: Any) -> list:
+        gathered = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
+
+
+@dataclass
+class DDP(_OnProcessGroup):
+    """DistributedDataParallel: every rank holds the whole model and optimizer; gradients are
+    averaged across ranks during backward, bucket by bucket."""
+
+    def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
+        self._model = nn.parallel.DistributedDataParallel(model)
+        return self._model
+
+    def accumulating(self, active: bool) -> AbstractContextManager:
+        # Accumulate locally; the last micro-batch's backward reduces the sum once.
+        return self._model.no_sync() if active else nullcontext()
+
+
+@dataclass
+class ZeRO1(DDP):
+    """ZeRO stage 1: DDP, with the optimizer state sharded across ranks
+    (torch.distributed.optim.ZeroRedundancyOptimizer); each rank steps its share of the
+    parameters and broadcasts them to the others."""
+
+    def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        zero = ZeroRedundancyOptimizer(list(params),
+                                       optimizer_class=lambda shard, **_: optim.make(shard))
+        # ZeRO keeps its shard's state in the inner optimizer and leaves its own `state`
+        # empty; the alias lets the meter (and anyone else) see this rank's optimizer state.
+        zero.state = zero.optim.state
+        return zero
+
+
+class _ShardedAndGathered(nn.Module):
+    """A unit that runs sets its gathered parameters on its modules in place of the sharded
+    ones, which still exist: the meter counts both as parameters (the sharded ones would
+    otherwise count as optimizer tensors, and the gathered ones as activations)."""
+
+    def __init__(self, model: nn.Module, sharded: list[nn.Parameter]):
+        super().__init__()
+        self.model, self.sharded = model, sharded
+
+    def parameters(self, recurse: bool = True):
+        return iter({id(p): p for p in (*self.sharded, *self.model.parameters())}.values())
+
+    def buffers(self, recurse: bool = True):
+        return self.model.buffers()
+
+
+@contextmanager
+def _without_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+@dataclass
+class FSDP(_OnProcessGroup):
+    """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks.
+    Each block of `model.blocks` is one unit, gathered just before it runs; the root holds the
+    rest.
+
+    reshard_after_forward: free each block's gathered parameters after its forward (gather
+                           again in backward): less memory, more communication.
+    cpu_offload:           keep the sharded parameters, their gradients and the optimizer step
+                           on the host (CPUOffloadPolicy), the source's `cpu_offload=True`.
+    Under precision=amp or bf16, parameters are gathered in that dtype and gradients reduced in
+    fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
+
+    reshard_after_forward: bool = True
+    cpu_offload: bool = False
+
+    def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            CPUOffloadPolicy,
+            MixedPrecisionPolicy,
+            OffloadPolicy,
+            fully_shard,
+        )
+
+        device = model_device(model)
+        offload = (CPUOffloadPolicy(pin_memory=device.type == "cuda") if self.cpu_offload
+                   else OffloadPolicy())
+        shard = dict(mesh=init_device_mesh(device.type, (self.world_size,)),
+                     reshard_after_forward=self.reshard_after_forward, offload_policy=offload)
+        if autocast_dtype is not None:
+            for norm in (m for m in model.modules() if isinstance(m, NORMS)):
+                fully_shard(norm, **shard)
+        # Reduced in fp32 whatever the gather dtype: half-precision sums of many ranks'
+        # gradients lose small contributions and can overflow.
+        half = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
+        for block in blocks_of(model):
+            fully_shard(block, mp_policy=half, **shard)
+        self._model = fully_shard(model, mp_policy=half, **shard)
+        self._sharded = list(model.parameters())  # every unit is sharded until the first forward
+        return self._model
+
+    def watched(self, model: nn.Module) -> nn.Module:
+        return _ShardedAndGathered(model, self._sharded)
+
+    def accumulating(self, active: bool) -> AbstractContextManager:
+        # Keep the unsharded gradients and reduce-scatter once, at the last micro-batch.
+        return _without_gradient_sync(self._model) if active else nullcontext()
+
+    def offloaded(self) -> AbstractContextManager:
+        return host_resident() if self.cpu_offload else nullcontext()

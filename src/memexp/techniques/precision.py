@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
 
 from memexp.techniques import model_device
@@ -23,6 +24,8 @@ class Precision(Protocol):
     # True when the step needs every gradient at once (loss-scale unscaling, master copies),
     # which rules out stepping parameters one by one inside backward.
     needs_all_grads: bool
+    # The dtype autocast computes in (None without autocast): FSDP gathers parameters in it.
+    autocast_dtype: torch.dtype | None
 
     def apply(self, model: nn.Module) -> nn.Module: ...
 
@@ -53,6 +56,16 @@ def half_dtype(name: str, key: str) -> torch.dtype:
     return DTYPES[name]
 
 
+def grad_scaler(device_type: str, enabled: bool) -> torch.amp.GradScaler:
+    """A GradScaler; across several ranks the sharded one, which all-reduces "found inf" so
+    that every rank skips the same steps (FSDP's gradient shards overflow separately)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(device_type, enabled=enabled)
+    return torch.amp.GradScaler(device_type, enabled=enabled)
+
+
 def scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) -> bool:
     """GradScaler's step; it skips the step on inf/NaN gradients and then lowers the scale."""
     if not scaler.is_enabled():
@@ -69,6 +82,7 @@ class FP32:
     """Full precision: the baseline the other options are compared with."""
 
     needs_all_grads = False
+    autocast_dtype = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -125,12 +139,12 @@ class Autocast:
     dtype: str = "float16"
 
     def __post_init__(self) -> None:
-        self._dtype = half_dtype(self.dtype, "precision.dtype")
+        self._dtype = self.autocast_dtype = half_dtype(self.dtype, "precision.dtype")
         self.needs_all_grads = self._dtype == torch.float16
 
     def apply(self, model: nn.Module) -> nn.Module:
         self._device_type = model_device(model).type
-        self._scaler = torch.amp.GradScaler(self._device_type, enabled=self.needs_all_grads)
+        self._scaler = grad_scaler(self._device_type, enabled=self.needs_all_grads)
         return model
 
     def autocast(self) -> AbstractContextManager:
@@ -169,6 +183,7 @@ class Pure:
 
     dtype: str = "float16"
     master_weights: bool = False
+    autocast_dtype = None  # parameters are in `dtype` already: nothing to cast
 
     def __post_init__(self) -> None:
         self._dtype = half_dtype(self.dtype, "precision.dtype")
@@ -177,10 +192,8 @@ class Pure:
 
     def apply(self, model: nn.Module) -> nn.Module:
         model = model.to(self._dtype)
-        self._scaler = torch.amp.GradScaler(
-            model_device(model).type,
-            enabled=self.master_weights and self._dtype == torch.float16,
-        )
+        self._scaler = grad_scaler(model_device(model).type,
+                                   enabled=self.master_weights and self._dtype == torch.float16)
         return model
 
     def autocast(self) -> AbstractContextManager:

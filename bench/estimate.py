@@ -1,0 +1,94 @@
+"""`memexp estimate` against measured CPU peaks, and how long estimates of big models take.
+
+Part 1: for each model and technique option, the estimate (two steps under fake tensors) and a
+real run of the same config (three steps, the live-storage tracker), their peak bytes and
+ratio. Part 2: wall time of `estimate()` for 125M, 1B and 7B-parameter GPT configs
+(experiment=gpt_125m|gpt_1b|gpt_7b), each `--repeats` times, median reported.
+
+    python bench/estimate.py [--repeats 3] [--skip-accuracy] [--skip-scale]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+from memexp.estimate import compose_config, estimate
+from memexp.loggers import NoLogger
+from memexp.trainer import Trainer
+
+MIB = 2**20
+CPU = ("trainer.device=cpu", "trainer.progress=false", "trainer.max_steps=3")
+# Two eval batches are enough: each later one repeats the second's memory.
+MODELS = {
+    "resnet": ("model=resnet", "model.width=32", "data.batch_size=32", "data.num_eval=64"),
+    "transformer": ("model=transformer", "model.n_layers=8", "data.batch_size=16",
+                    "data.num_eval=32"),
+    "mlp": ("model=mlp", "data.batch_size=256", "data.num_eval=512"),
+}
+OPTIONS = [
+    (),
+    ("precision=amp",), ("precision=bf16",), ("precision=bf16_pure",),
+    ("precision=fp16_pure", "precision.master_weights=true"),
+    ("checkpointing=full",), ("checkpointing=offload",),
+    ("optim=adamw",), ("optim=adafactor",), ("optim=adamw_8bit",),
+    ("optim=sgd_momentum", "optim.in_backward=true"), ("optim.accumulate=4",),
+    ("bn_mode=efficient_eval",), ("bn_mode=group_norm",),
+]
+BN_ONLY = {"bn_mode=efficient_eval", "bn_mode=group_norm"}
+BLOCKS_ONLY = {"checkpointing=full", "checkpointing=offload"}  # the MLP has no model.blocks
+
+
+def accuracy() -> None:
+    print("| model | techniques | estimate MiB | measured MiB | estimate / measured | "
+          "estimate s |")
+    print("|---|---|---:|---:|---:|---:|")
+    worst = 0.0
+    for model, sizes in MODELS.items():
+        for option in OPTIONS:
+            if (model != "resnet" and BN_ONLY & set(option)) or (
+                    model == "mlp" and BLOCKS_ONLY & set(option)):
+                continue
+            cfg = compose_config([*CPU, *sizes, *option])
+            predicted = estimate(cfg)
+            trainer = Trainer(cfg)
+            trainer.fit(NoLogger())
+            real = trainer.meter.report()["peak_bytes"]
+            ratio = predicted.memory["peak_bytes"] / real
+            worst = max(worst, abs(ratio - 1))
+            print(f"| {model} | {' '.join(option) or 'baseline'} | "
+                  f"{predicted.memory['peak_bytes'] / MIB:.2f} | {real / MIB:.2f} | "
+                  f"{ratio:.4f} | {predicted.seconds:.1f} |", flush=True)
+    print(f"\nlargest deviation: {worst * 100:.2f}%")
+
+
+def scale(repeats: int) -> None:
+    print("| config | parameters | predicted peak (bf16 autocast, AdamW) | estimate s (median) |")
+    print("|---|---:|---:|---:|")
+    for name in ("gpt_125m", "gpt_1b", "gpt_7b"):
+        cfg = compose_config([f"experiment={name}", "precision=bf16", "trainer.device=cpu"])
+        times, result = [], None
+        for _ in range(repeats):
+            started = time.perf_counter()
+            result = estimate(cfg)
+            times.append(time.perf_counter() - started)
+        print(f"| {name} | {result.parameters / 1e6:,.0f}M | "
+              f"{result.memory['peak_bytes'] / 2**30:.2f} GiB | {statistics.median(times):.1f} |",
+              flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--skip-accuracy", action="store_true")
+    parser.add_argument("--skip-scale", action="store_true")
+    args = parser.parse_args()
+    if not args.skip_accuracy:
+        accuracy()
+    if not args.skip_scale:
+        scale(args.repeats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,199 @@
+"""`memexp plan budget=24GiB <overrides>`: which technique combinations fit, and what each costs.
+
+The search space is precision x optim x bn_mode ("what is computed") times checkpointing x
+accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
+syntax: `precision=fp32,bf16`) or else from DEFAULT_SPACE. For every "what is computed" choice
+the planner walks the "how much is kept" choices from the cheapest (no recomputation, one
+micro-batch) up and keeps the first that fits: anything after it costs more for the same result.
+
+Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
+data.batch_size / k samples (only for k that divide the batch).
+
+Cost is measured where it can be: recomputed FLOPs (from the traced backward pass against the
+same run without checkpointing), bytes moved to the host (offloading), and the number of
+micro-batches per step. The plans are ranked by those, in that order, and then by numerics
+(fp32 first) and peak memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+import shlex
+from dataclasses import dataclass
+
+from omegaconf import DictConfig
+
+from memexp.estimate import Estimate, compose_config, estimate
+from memexp.memory.sizes import parse_size
+from memexp.result import mib
+
+# The candidates of each group when the command line names none.
+DEFAULT_SPACE = {
+    "precision": ["fp32", "bf16", "amp", "bf16_pure"],
+    "optim": None,  # the configured optimizer, plus the memory-light ones for Adam-style ones
+    "bn_mode": ["train", "efficient_eval"],
+    "checkpointing": ["none", "full", "offload"],
+    "optim.accumulate": ["1", "2", "4"],
+}
+LIGHT_OPTIMIZERS = {"adam": ["adafactor", "adamw_8bit"], "adamw": ["adafactor", "adamw_8bit"]}
+NUMERICS_RANK = {"fp32": 0, "tf32": 1, "bf16": 2, "amp": 3, "bf16_pure": 4, "fp16_pure": 5}
+
+
+@dataclass
+class Plan:
+    overrides: list[str]  # the technique overrides, beyond the user's own
+    estimate: Estimate
+    recompute_flops: int
+    fits: bool
+
+    @property
+    def peak_bytes(self) -> int:
+        memory = self.estimate.memory
+        return memory.get("reserved_peak_bytes") or memory["peak_bytes"]
+
+    @property
+    def accumulate(self) -> int:
+        return int(dict(o.split("=", 1) for o in self.overrides)["optim.accumulate"])
+
+    def cost(self) -> tuple:
+        precision = dict(o.split("=", 1) for o in self.overrides)["precision"]
+        return (self.recompute_flops, self.estimate.memory.get("offloaded_peak_bytes", 0),
+                self.accumulate, NUMERICS_RANK.get(precision, 9), self.peak_bytes)
+
+
+def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
+    """The fixed overrides, and the searched groups given in sweep syntax (a,b,c)."""
+    fixed, searched = [], {}
+    for argument in arguments:
+        key, _, value = argument.partition("=")
+        if key in DEFAULT_SPACE:
+            searched[key] = value.split(",")
+        else:
+            fixed.append(argument)
+    return fixed, searched
+
+
+def search_space(cfg: DictConfig, optim: str,
+                 searched: dict[str, list[str]]) -> dict[str, list[str]]:
+    space = {}
+    for group, default in DEFAULT_SPACE.items():
+        if group in searched:
+            space[group] = searched[group]
+        elif group == "optim":
+            space[group] = [optim, *LIGHT_OPTIMIZERS.get(optim, [])]
+        elif group == "bn_mode" and not has_batch_norm(cfg):
+            space[group] = ["train"]
+        else:
+            space[group] = default
+    return space
+
+
+def group_choice(overrides: list[str], group: str) -> str:
+    """The option of `group` that these overrides select (a model may pick its optimizer)."""
+    from hydra import compose, initialize_config_dir
+
+    from memexp.config import config_dir
+
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=overrides, return_hydra_config=True)
+    return cfg.hydra.runtime.choices[group]
+
+
+def has_batch_norm(cfg: DictConfig) -> bool:
+    import torch
+    from torch import nn
+
+    from memexp.trainer import build_model
+
+    with torch.device("meta"):  # structure only: no memory, no time
+        model = build_model(cfg.model)
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def plan(arguments: list[str], budget: str, target: str = "cpu") -> list[Plan]:
+    """Every searched combination's cheapest fitting way to run, cheapest first (with, after
+    them, the ones that fit in no way, as `fits=False`)."""
+    limit = parse_size(budget, "budget")
+    fixed, searched = split_arguments(arguments)
+    base = compose_config(fixed)
+    batch = base.data.batch_size
+    space = search_space(base, group_choice(fixed, "optim"), searched)
+    baseline_flops: dict[tuple, int] = {}
+    plans = []
+    for precision, optim, bn_mode in itertools.product(
+            space["precision"], space["optim"], space["bn_mode"]):
+        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
+        kept_options = sorted(
+            ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
+             if batch % int(k) == 0),
+            key=lambda option: (option[0] != "none", option[0] == "offload", option[1]))
+        last = None
+        for checkpointing, accumulate in kept_options:
+            overrides = [*computed, f"checkpointing={checkpointing}",
+                         f"optim.accumulate={accumulate}",
+                         f"data.batch_size={batch // accumulate}"]
+            result = estimate(compose_config([*fixed, *overrides]), target)
+            key = (precision, optim, bn_mode, accumulate)
+            train_flops = result.flops["forward"] + result.flops["backward"]
+            if checkpointing == "none":
+                baseline_flops[key] = train_flops
+            recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
+            last = Plan(overrides, result, recompute, False)
+            last.fits = last.peak_bytes <= limit
+            if last.fits:
+                break
+        if last is not None:
+            plans.append(last)
+    return sorted(plans, key=lambda p: (not p.fits, p.cost()))
+
+
+def command(fixed: list[str], plan_: Plan) -> str:
+    return shlex.join(["python", "train.py", *fixed, *plan_.overrides])
+
+
+def describe(arguments: list[str], budget: str, plans: list[Plan]) -> str:
+    fixed, _ = split_arguments(arguments)
+    fitting = [p for p in plans if p.fits]
+    lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget} "
+             f"({plans[0].estimate.target if plans else 'cpu'} estimate), cheapest first", ""]
+    header = (f"  {'#':>2}  {'peak':>10}  {'recompute':>10}  {'offloaded':>10}  {'micro':>5}  "
+              "command")
+    lines.append(header)
+    for number, p in enumerate(plans, 1):
+        if not p.fits and number == len(fitting) + 1:
+            lines += ["", "  do not fit in any searched way:"]
+        lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  "
+                     f"{p.recompute_flops / 1e9:>8.2f} G  "
+                     f"{mib(p.estimate.memory.get('offloaded_peak_bytes', 0)):>10}  "
+                     f"{p.accumulate:>5}  {command(fixed, p)}")
+    return "\n".join(lines)
+
+
+def verify(arguments: list[str], plans: list[Plan], steps: int) -> str:
+    """Run `plans` for real, one after another, into a plan folder (with the sweep report), and
+    set each measured peak beside its estimate."""
+    from datetime import datetime
+    from pathlib import Path
+
+    from memexp.app import run_config
+    from memexp.report import write_report
+
+    fixed, _ = split_arguments(arguments)
+    folder = Path("outputs/plans") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    lines = [f"verified in {folder} ({steps} steps each):",
+             f"  {'#':>2}  {'estimate':>10}  {'measured':>10}  {'ratio':>6}  status"]
+    for number, p in enumerate(plans, 1):
+        overrides = [*fixed, *p.overrides, f"trainer.max_steps={steps}", "logger=none"]
+        try:
+            result = run_config(compose_config(overrides), folder / str(number), {}, overrides,
+                                folder.name)
+        except Exception as error:  # recorded in its result.json; the others still run
+            lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  {'':>10}  {'':>6}  "
+                         f"{type(error).__name__}: {error}")
+            continue
+        memory = result["memory"]
+        measured = memory.get("reserved_peak_bytes") or memory["peak_bytes"]
+        lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  {mib(measured):>10}  "
+                     f"{p.peak_bytes / measured:>6.3f}  {result['status']}")
+    write_report(folder, None)
+    return "\n".join(lines)

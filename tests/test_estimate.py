@@ -1,0 +1,135 @@
+"""memexp estimate and plan: predictions under fake tensors, checked against real CPU runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from memexp import cli
+from memexp.estimate import compose_config, estimate
+from memexp.loggers import NoLogger
+from memexp.memory.allocator import CachingAllocatorModel
+from memexp.plan import plan
+from memexp.trainer import Trainer
+
+from conftest import CPU_SMALL, compose_train
+
+MIB = 2**20
+SMALL_RESNET = ("model.width=8", "model.blocks_per_stage=[1,1,1,1]", "data.image_size=16",
+                "data.batch_size=8", "data.num_train=64", "data.num_eval=16")
+SMALL_GPT = ("model=transformer", "model.n_layers=2", "data.batch_size=8", "data.num_train=64",
+             "data.num_eval=16")
+
+# Each built-in model, and every option of each technique group at least once.
+CASES = {
+    "resnet fp32 sgd": SMALL_RESNET,
+    "resnet amp efficient_eval": (*SMALL_RESNET, "precision=amp", "bn_mode=efficient_eval"),
+    "resnet full checkpointing adam": (*SMALL_RESNET, "checkpointing=full", "optim=adam"),
+    "resnet bf16_pure sequential": (*SMALL_RESNET, "precision=bf16_pure",
+                                    "checkpointing=sequential", "bn_mode=eval"),
+    "resnet group_norm modules": (*SMALL_RESNET, "bn_mode=group_norm", "checkpointing=modules",
+                                  "checkpointing.modules=[blocks.1]"),
+    "gpt adamw": SMALL_GPT,
+    "gpt bf16 offload": (*SMALL_GPT, "precision=bf16", "checkpointing=offload"),
+    "gpt fp16_pure master adafactor": (*SMALL_GPT, "precision=fp16_pure",
+                                       "precision.master_weights=true", "optim=adafactor"),
+    "gpt selective in_backward": (*SMALL_GPT, "checkpointing=selective", "optim.in_backward=true"),
+    "gpt adamw_8bit accumulate": (*SMALL_GPT, "optim=adamw_8bit", "optim.accumulate=2"),
+    "mlp sgd_momentum accumulate": ("model=mlp", "optim=sgd_momentum", "optim.accumulate=2"),
+}
+
+
+def measured(cfg) -> dict:
+    trainer = Trainer(cfg)
+    trainer.fit(NoLogger())
+    return trainer.meter.report()
+
+
+@pytest.mark.parametrize("overrides", CASES.values(), ids=CASES.keys())
+def test_estimate_is_within_3_percent_of_the_measured_cpu_peak(overrides):
+    cfg = compose_train("trainer.max_steps=2", *overrides)
+    predicted, real = estimate(cfg).memory, measured(cfg)
+    assert predicted["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.03)
+    assert predicted["peak_phase"] == real["peak_phase"]
+    # the breakdown too: each category within 3% of the peak
+    for category, nbytes in real["breakdown_at_peak"].items():
+        assert abs(predicted["breakdown_at_peak"][category] - nbytes) <= 0.03 * real["peak_bytes"]
+
+
+def test_a_billion_parameter_model_is_estimated_without_allocating_it():
+    result = estimate(compose_config(["experiment=gpt_1b", "precision=bf16"]))
+    assert result.parameters > 1e9
+    # params (fp32) + AdamW's two states at least: far more than this machine could hold
+    assert result.memory["peak_bytes"] > 12 * result.parameters
+    assert result.flops["backward"] > result.flops["forward"] > 0
+
+
+def test_the_cli_prints_the_breakdown_and_refuses_bad_input(capsys):
+    assert cli.main(["estimate", "model=mlp", *CPU_SMALL]) == 0
+    out = capsys.readouterr().out
+    assert "peak" in out and "backward" in out and "activations" in out
+    assert cli.main(["estimate", "precision=bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "precision/bogus" in err and "bf16_pure" in err
+
+
+# -- the CUDA caching allocator model -------------------------------------------------------
+def test_allocator_model_rounds_and_splits_like_the_caching_allocator():
+    allocator = CachingAllocatorModel()
+    assert allocator.malloc(1, 100) == 512  # at least one 512-byte block
+    assert allocator.reserved == 2 * MIB  # a small request opens a 2 MiB segment
+    assert allocator.malloc(2, 1000) == 1024  # rounded up to 512 bytes, from the same segment
+    assert allocator.reserved == 2 * MIB
+    assert allocator.malloc(3, 3 * MIB) == 3 * MIB  # large pool: a 20 MiB segment, split
+    assert allocator.reserved == 22 * MIB
+    assert allocator.malloc(4, 11 * MIB) == 11 * MIB  # best fit: the segment's free 17 MiB
+    assert allocator.reserved == 22 * MIB
+    # 11 MiB more opens a 12 MiB segment (10 MiB and up: rounded to 2 MiB); the 1 MiB rest is
+    # too small to split off (large blocks split only when more than 1 MiB remains), so the
+    # whole 12 MiB counts as allocated
+    assert allocator.malloc(5, 11 * MIB) == 12 * MIB
+    assert allocator.reserved == 34 * MIB
+
+
+def test_allocator_model_reuses_freed_blocks_and_merges_neighbours():
+    allocator = CachingAllocatorModel()
+    for key in range(4):
+        allocator.malloc(key, 4 * MIB)  # 16 of one 20 MiB segment
+    for key in (1, 2):
+        allocator.free(key)
+    assert allocator.allocated == 8 * MIB and allocator.reserved == 20 * MIB
+    assert allocator.malloc(9, 8 * MIB) == 8 * MIB  # fits the merged 8 MiB hole: no new segment
+    assert allocator.reserved == 20 * MIB
+    assert allocator.reserved_peak == 20 * MIB and allocator.allocated_peak == 16 * MIB
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated():
+    cfg = compose_config(["trainer.device=cuda", "trainer.max_steps=3", "trainer.progress=false"])
+    predicted = estimate(cfg, target="cuda").memory
+    real = measured(cfg)
+    assert predicted["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.05)
+
+
+# -- plan ---------------------------------------------------------------------------------
+def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # --verify runs into ./outputs/plans
+    arguments = ["model=mlp", "data.batch_size=512", *CPU_SMALL, "precision=fp32,bf16", "optim=sgd",
+                 "checkpointing=none", "optim.accumulate=1,2,4"]
+    everything = plan(arguments, "1GiB")
+    by_precision = {p.overrides[0]: p for p in everything}
+    assert all(p.fits and p.accumulate == 1 for p in everything)  # all fit at once
+    # a budget between fp32's accumulate=1 and accumulate=4 peaks
+    fp32 = by_precision["precision=fp32"].estimate.memory["peak_bytes"]
+    tight = plan(arguments, f"{int(fp32 * 0.9)}")
+    fitting = [p for p in tight if p.fits]
+    assert fitting and all(p.peak_bytes <= fp32 * 0.9 for p in fitting)
+    assert [p.cost() for p in fitting] == sorted(p.cost() for p in fitting)
+    assert any(p.accumulate > 1 for p in fitting)  # accumulation is what made fp32 fit
+    # the plan's command is a real run that fits the budget, as estimated
+    assert cli.main(["plan", f"budget={int(fp32 * 0.9)}", *arguments, "--verify", "1",
+                     "--verify-steps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "python train.py" in out and "verified in" in out
+    ratio = float(out.split("verified in")[1].splitlines()[2].split()[5])
+    assert ratio == pytest.approx(1.0, abs=0.03)
