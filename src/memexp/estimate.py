@@ -28,10 +28,11 @@ from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTens
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
-from memexp.config import config_dir
+from memexp.config import config_dir, target_path
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.result import CATEGORY_ORDER, mib
+from memexp.techniques.parallel import NoParallel
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
@@ -105,6 +106,11 @@ def estimate(cfg: DictConfig, target: str = "cpu") -> Estimate:
 
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
+    if cfg.parallel._target_ != target_path(NoParallel):
+        # DDP and FSDP need a process group; under fake tensors their collectives and FSDP's
+        # sharding hit data-dependent ops, so they are refused rather than estimated wrongly.
+        raise ValueError("parallel: memexp estimate covers one process (parallel=none); "
+                         "ddp, zero1 and fsdp are not estimated yet")
     started = time.perf_counter()
     cfg = steps_to_trace(cfg)
     allocator = CachingAllocatorModel() if target == "cuda" else None
