@@ -119,10 +119,10 @@ def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_pa
     arguments = ["model=mlp", "data.batch_size=512", *CPU_SMALL, "precision=fp32,bf16", "optim=sgd",
                  "checkpointing=none", "optim.accumulate=1,2,4"]
     everything = plan(arguments, "1GiB")
-    by_precision = {p.overrides[0]: p for p in everything}
+    by_precision = {p.precision: p for p in everything}
     assert all(p.fits and p.accumulate == 1 for p in everything)  # all fit at once
     # a budget between fp32's accumulate=1 and accumulate=4 peaks
-    fp32 = by_precision["precision=fp32"].estimate.memory["peak_bytes"]
+    fp32 = by_precision["fp32"].estimate.memory["peak_bytes"]
     tight = plan(arguments, f"{int(fp32 * 0.9)}")
     fitting = [p for p in tight if p.fits]
     assert fitting and all(p.peak_bytes <= fp32 * 0.9 for p in fitting)

@@ -42,23 +42,21 @@ NUMERICS_RANK = {"fp32": 0, "tf32": 1, "bf16": 2, "amp": 3, "bf16_pure": 4, "fp1
 @dataclass
 class Plan:
     overrides: list[str]  # the technique overrides, beyond the user's own
+    precision: str
+    accumulate: int
     estimate: Estimate
     recompute_flops: int
-    fits: bool
+    fits: bool = False
 
     @property
     def peak_bytes(self) -> int:
+        """What must fit: reserved memory for a CUDA estimate, live bytes for a CPU one."""
         memory = self.estimate.memory
         return memory.get("reserved_peak_bytes") or memory["peak_bytes"]
 
-    @property
-    def accumulate(self) -> int:
-        return int(dict(o.split("=", 1) for o in self.overrides)["optim.accumulate"])
-
     def cost(self) -> tuple:
-        precision = dict(o.split("=", 1) for o in self.overrides)["precision"]
         return (self.recompute_flops, self.estimate.memory.get("offloaded_peak_bytes", 0),
-                self.accumulate, NUMERICS_RANK.get(precision, 9), self.peak_bytes)
+                self.accumulate, NUMERICS_RANK.get(self.precision, 9), self.peak_bytes)
 
 
 def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -138,7 +136,7 @@ def plan(arguments: list[str], budget: str, target: str = "cpu") -> list[Plan]:
             if checkpointing == "none":
                 baseline_flops[key] = train_flops
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
-            last = Plan(overrides, result, recompute, False)
+            last = Plan(overrides, precision, accumulate, result, recompute)
             last.fits = last.peak_bytes <= limit
             if last.fits:
                 break
