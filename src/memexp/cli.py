@@ -43,13 +43,14 @@ def estimate(args: argparse.Namespace) -> int:
     from memexp.estimate import compose_config, describe
     from memexp.estimate import estimate as predict
 
-    result = predict(compose_config(args.overrides), target=args.target)
+    cfg = compose_config(args.overrides)
+    result = predict(cfg, target=args.target)
     if args.json:
         print(json.dumps({"memory": result.memory, "parameters": result.parameters,
                           "flops_per_step": result.flops, "seconds": result.seconds,
                           "target": result.target}, indent=2))
     else:
-        print(describe(compose_config(args.overrides), result))
+        print(describe(cfg, result))
     return 0
 
 

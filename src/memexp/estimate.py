@@ -33,6 +33,7 @@ from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.techniques.parallel import NoParallel
+from memexp.trainer import Trainer, build, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
@@ -102,8 +103,6 @@ class Estimate:
 
 def estimate(cfg: DictConfig, target: str = "cpu") -> Estimate:
     """Predict the peak memory of the run `cfg` describes, on a CPU or a CUDA device."""
-    from memexp.trainer import Trainer, build
-
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
     if cfg.parallel._target_ != target_path(NoParallel):
@@ -148,11 +147,10 @@ def steps_to_trace(cfg: DictConfig) -> DictConfig:
     with nothing written. A synthetic eval set shrinks to two batches (the second is fetched
     while the first is still referenced, and every later one repeats that); the train set keeps
     its size, because the epoch's sample order is a live tensor of that size."""
-    cfg = cfg.copy()
+    cfg = first_steps(cfg)
     with open_dict(cfg):
-        cfg.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
-                           device="cpu", progress=False, warmup_steps=0)
-        cfg.memory.update(track=True, budget=None, snapshot=False)
+        cfg.trainer.update(device="cpu", warmup_steps=0)
+        cfg.memory.update(track=True, budget=None)
         if "num_eval" in cfg.data:  # the synthetic sets (real readers have a fixed size)
             cfg.data.num_eval = min(cfg.data.num_eval, 2 * cfg.data.eval_batch_size)
     return cfg

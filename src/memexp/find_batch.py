@@ -14,11 +14,18 @@ import gc
 from dataclasses import asdict, dataclass, field
 
 import torch
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig
 
 from memexp.distributed import env_world_size
 from memexp.loggers import NoLogger
-from memexp.trainer import Trainer, build, device_name, is_out_of_memory, pick_device
+from memexp.trainer import (
+    Trainer,
+    build,
+    device_name,
+    first_steps,
+    is_out_of_memory,
+    pick_device,
+)
 
 
 @dataclass
@@ -64,13 +71,9 @@ def find_batch_size(cfg: DictConfig) -> BatchSearch:
 
 
 def with_batch_size(cfg: DictConfig, batch_size: int) -> DictConfig:
-    """`cfg` as a probe: this batch size, two steps, nothing written or logged."""
-    trial = cfg.copy()
-    with open_dict(trial):
-        trial.data.batch_size = batch_size
-        trial.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
-                             progress=False)
-        trial.memory.snapshot = False
+    """`cfg` as a probe: its first two steps at this batch size."""
+    trial = first_steps(cfg)
+    trial.data.batch_size = batch_size
     return trial
 
 

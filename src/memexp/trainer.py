@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, open_dict
 from torch import Tensor, nn
 from tqdm import tqdm
 
@@ -106,6 +106,26 @@ def memory_budget(memory: DictConfig) -> int | None:
     return None if memory.budget is None else parse_size(memory.budget, "memory.budget")
 
 
+def first_steps(cfg: DictConfig) -> DictConfig:
+    """`cfg` cut to its first two steps (step 2 is the first with optimizer state alive) and
+    an evaluation, writing nothing: what estimates and batch-size probes run."""
+    short = cfg.copy()
+    with open_dict(short):
+        short.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
+                             progress=False)
+        short.memory.snapshot = False
+    return short
+
+
+def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
+    """Where memory.snapshot writes, or None."""
+    if not memory.snapshot:
+        return None
+    if run_dir is None:
+        raise ValueError("memory.snapshot=true needs a run folder to write the snapshot in")
+    return run_dir / "memory"
+
+
 @dataclass
 class Metrics:
     losses: list[float] = field(default_factory=list)
@@ -160,7 +180,7 @@ class Trainer:
         #    FSDP's CPU offload keeps the (sharded) parameters in host memory.
         self.meter = MemoryMeter(
             self.device, track=cfg.memory.track, budget=memory_budget(cfg.memory),
-            snapshot_to=self.snapshot_folder(cfg.memory, run_dir),
+            snapshot_to=snapshot_folder(cfg.memory, run_dir),
             snapshot_entries=cfg.memory.snapshot_max_entries,
             warmup_steps=cfg.trainer.warmup_steps, allocator=allocator)
         with self.parallel.offloaded():
@@ -317,14 +337,6 @@ class Trainer:
         return state["step"]
 
     # -- memory --------------------------------------------------------------------------------
-    @staticmethod
-    def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
-        if not memory.snapshot:
-            return None
-        if run_dir is None:
-            raise ValueError("memory.snapshot=true needs a run folder to write the snapshot in")
-        return run_dir / "memory"
-
     def free_cached_memory(self) -> None:
         gc.collect()
         if self.device.type == "cuda":
