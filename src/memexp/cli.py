@@ -7,9 +7,8 @@ import json
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
+from memexp.errors import BAD_INPUT
+from memexp.errors import describe as describe_error
 from memexp.result import mib, summary
 
 
@@ -123,11 +122,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as error:
-        # Bad input, named by the check that failed (Hydra's own lists the valid options; its
-        # config search path is left out).
-        message = str(error).split("\nConfig search path")[0].strip()
-        print(f"memexp {args.command}: {message}", file=sys.stderr)
+    except BAD_INPUT as error:  # named by the check that failed, with the valid choices
+        print(f"memexp {args.command}: {describe_error(error)}", file=sys.stderr)
         return 2
 
 

@@ -23,11 +23,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from memexp.memory.sizes import parse_size
-from memexp.result import CATEGORY_ORDER, GROUPS, mib
+from memexp.result import CATEGORY_ORDER, GROUPS, HALF_ON_CPU, half_precision_on_cpu, mib
 
 log = logging.getLogger("memexp")
 MIB = 2**20
 BASELINE = {"precision": "fp32", "checkpointing": "none", "bn_mode": "train"}
+HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
 
 
 def is_technique_key(key: str) -> bool:
@@ -181,13 +182,16 @@ def markdown_table(rows: list[Row]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         r = csv_record(row)
-        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}"
+        mark = HALF_MARK if half_precision_on_cpu(row.result) else ""
+        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}{mark}"
                       if r["throughput"] is not None else "-")
         lines.append(
             f"| {row.job} | {row.label} | {row.status} | {fmt(r['peak_mib'], 1)} | "
             + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:5])
-            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])} | {throughput} | "
+            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])}{mark} | {throughput} | "
             f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
+    if any(half_precision_on_cpu(row.result) for row in rows):
+        lines += ["", f"{HALF_MARK} {HALF_ON_CPU}."]
     return "\n".join(lines)
 
 
