@@ -131,7 +131,11 @@ def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_pa
     # the plan's command is a real run that fits the budget, as estimated
     assert cli.main(["plan", f"budget={int(fp32 * 0.9)}", *arguments, "--verify", "1",
                      "--verify-steps", "3"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # each candidate as it was estimated: fp32 over budget until accumulation made it fit
+    tried = err.splitlines()
+    assert tried[0].startswith("memexp plan: estimating up to 6 candidates")
+    assert " over  precision=fp32 " in tried[1] and " fits  precision=fp32 " in tried[-3]
     assert "python train.py" in out and "verified in" in out
     ratio = float(out.split("verified in")[1].splitlines()[2].split()[5])
     assert ratio == pytest.approx(1.0, abs=0.03)

@@ -9,6 +9,7 @@ import pytest
 import torch
 from test_sweep import TESTS, results, sweep
 
+from memexp import cli
 from memexp.app import run_config
 from memexp.find_batch import probe, with_batch_size
 from memexp.loggers import NoLogger
@@ -68,6 +69,16 @@ def test_auto_batch_size_is_the_largest_that_fits_checked_directly(tmp_path):
     cpu = torch.device("cpu")
     assert probe(with_batch_size(cfg, found), cpu) is not None
     assert probe(with_batch_size(cfg, found + 1), cpu) is None
+
+
+def test_find_batch_shows_each_probe_as_it_ends(capsys):
+    assert cli.main(["find-batch", *MLP, "model.hidden=16", "data.num_train=8", "data.num_eval=8",
+                     "memory.budget=12MiB", "trainer.device=cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == [
+        f"  batch {size:>6}" for size in (1, 2, 4, 8)]  # doubling up to the 8 samples there are
+    assert all(line.endswith(" MiB") for line in lines[:-1])
+    assert lines[-1].startswith("memexp find-batch: data.batch_size=8 is the largest that fits")
 
 
 # -- memory.snapshot -----------------------------------------------------------------------
