@@ -4,11 +4,13 @@ real composition errors; HYDRA_FULL_ERROR=1 still gets the whole exception."""
 from __future__ import annotations
 
 import os
+import traceback
 
 import pytest
 from hydra.errors import HydraException
 
 from memexp import errors
+from memexp.result import error_message
 
 from conftest import compose_train
 
@@ -57,3 +59,15 @@ def test_after_its_summary_a_run_that_stopped_on_bad_input_just_exits(monkeypatc
     assert exited.value.code == 1
     with pytest.raises(RuntimeError), errors.summarized_bad_input():  # a crash keeps its traceback
         raise RuntimeError("a bug")
+
+
+def test_a_runs_summary_shows_the_whole_message_of_its_error_not_its_last_line():
+    try:
+        raise FileNotFoundError("data.root=x: nothing there. Put these files in x:\n  a\n  b\n  c\n"
+                                "  d\nor point data.root at the folder that holds them.")
+    except FileNotFoundError as error:
+        formatted = "".join(traceback.format_exception(error))
+    assert error_message(formatted) == [
+        "FileNotFoundError: data.root=x: nothing there. Put these files in x:", "  a",
+        "... (3 more lines)", "or point data.root at the folder that holds them."]
+    assert error_message("rank 1 was killed (exit code -9)") == ["rank 1 was killed (exit code -9)"]

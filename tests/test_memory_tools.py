@@ -14,6 +14,8 @@ from memexp.app import run_config
 from memexp.find_batch import probe, with_batch_size
 from memexp.loggers import NoLogger
 from memexp.memory.sizes import parse_size
+from memexp.plots import write_plots
+from memexp.report import load_rows
 from memexp.trainer import OutOfMemory, Trainer
 
 from conftest import compose_train
@@ -51,6 +53,14 @@ def test_a_cpu_sweep_shows_which_configs_would_oom_and_goes_on(tmp_path):
     assert found["1"]["memory"]["peak_bytes"] <= 64 * 2**20
     report = (sweep_dir / "report.md").read_text()
     assert "| oom |" in report and "| ok |" in report
+    # The plots, drawn again from the real results: the OOM job is a marked bar, labelled
+    # like every point with the override that tells it apart.
+    charts = {chart.path.name: chart for chart in write_plots(load_rows(sweep_dir), tmp_path)}
+    bars = charts["memory_breakdown.png"]
+    assert bars.labels == ["memory.budget=6MiB", "memory.budget=64MiB"]
+    assert any("did not succeed" in note for note in bars.notes)
+    assert charts["memory_vs_throughput.png"].labels == ["memory.budget=64MiB"]
+    assert all((sweep_dir / name).stat().st_size > 0 for name in charts)  # the sweep's own
 
 
 # -- the max-batch finder ------------------------------------------------------------------

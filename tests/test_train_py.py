@@ -72,6 +72,15 @@ def test_a_techniques_own_check_is_told_once_by_the_run_summary(tmp_path):
     assert recorded["status"] == "failed" and "Traceback" in recorded["error"]
 
 
+def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(tmp_path):
+    done = run_train_py(tmp_path, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("memexp: which memory-saving techniques make a model fit")
+    assert "powered by Hydra" not in done.stdout and "schema/" not in done.stdout
+    assert "\nprecision: amp, bf16, bf16_pure, fp16_pure, fp32, tf32\n" in done.stdout
+    assert "  max_steps: 200" in done.stdout  # and the config, every key
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_request_without_a_gpu_fails_and_records_it(tmp_path):
     done = run_train_py(tmp_path, *SMOKE[:-1], "trainer.device=cuda")

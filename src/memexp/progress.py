@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import TextIO
 
 log = logging.getLogger("memexp")
-# Under 30 s between lines, with room for one slow step.
-EVERY_S = 20.0
+# At most 30 s between lines, even when one step takes 15 s.
+EVERY_S = 15.0
 
 
 class NoProgress:
