@@ -119,16 +119,17 @@ def write_plots(rows: list[Row], sweep_dir: Path) -> list[Chart]:
         charts.append(breakdown_chart(rows, sweep_dir / "memory_breakdown.png"))
     units = {row.metrics.get("throughput_unit") for row in rows if row.ok}
     unit = next(iter(units)) if len(units) == 1 else None
-    scatters = (
+    scatters = (  # file, y axis, what it shows, its value, log scale when wide
         ("memory_vs_throughput.png", f"throughput ({unit})" if unit else
          "speed against its baseline (x)", "throughput" if unit else "speed",
-         lambda row: speed(row, rows) or None),
+         lambda row: speed(row, rows) or None, True),
         ("memory_vs_accuracy.png", "eval accuracy (fraction correct)", "accuracy",
-         lambda row: row.metrics.get("eval_accuracy")),
+         lambda row: row.metrics.get("eval_accuracy"), False),
     )
-    for name, axis, what, value in scatters:
+    for name, axis, what, value, log_when_wide in scatters:
         if any(row.ok and value(row) is not None for row in rows):
-            charts.append(scatter_chart(rows, sweep_dir / name, axis, what, value))
+            charts.append(scatter_chart(rows, sweep_dir / name, axis, what, value,
+                                        log_when_wide))
     return charts
 
 
@@ -174,7 +175,7 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
 
 
 def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
-                  value: Callable[[Row], float | None]) -> Chart:
+                  value: Callable[[Row], float | None], log_when_wide: bool) -> Chart:
     import matplotlib.pyplot as plt
 
     shown = [row for row in rows if row.ok and value(row) is not None]
@@ -183,7 +184,7 @@ def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=DPI)
     figure.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.12)
     ys = [y for _, y in points]
-    logarithmic = min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
+    logarithmic = log_when_wide and min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
     if logarithmic:
         axes.set_yscale("log")
     axes.scatter([x for x, _ in points], ys, color="tab:blue", zorder=3)
