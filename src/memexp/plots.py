@@ -135,6 +135,8 @@ def write_plots(rows: list[Row], sweep_dir: Path) -> list[Chart]:
 
 def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
 
     drawn = [row for row in rows if row.peak is not None]
     unknown = [row for row in rows if row.peak is None]
@@ -142,18 +144,19 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     figure, axes = plt.subplots(figsize=(9, 0.5 * len(drawn) + 1.6), dpi=DPI)
     positions = range(len(drawn))
     left = [0.0] * len(drawn)
-    for category in CATEGORY_ORDER[:5]:
+    for number, category in enumerate(CATEGORY_ORDER[:5]):
         values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
                   for row in drawn]
-        axes.barh(positions, values, left=left, label=category, height=0.7)
+        faded = [to_rgba(f"C{number}", 1.0 if row.status == "ok" else 0.35) for row in drawn]
+        axes.barh(positions, values, left=left, height=0.7, color=faded)
         left = [a + b for a, b in zip(left, values, strict=True)]
-    # Each bar's outline is its peak. Jobs that did not succeed are hatched red, with their
-    # status at the end of the bar.
+    # Each bar's outline is its peak. Jobs that did not succeed are faded and hatched, with
+    # their status at the end of the bar.
     widest = max(row.peak / MIB for row in drawn)
     for position, row in zip(positions, drawn, strict=True):
         failed = row.status != "ok"
         axes.barh(position, row.peak / MIB, height=0.7, fill=False, hatch="//" if failed else "",
-                  edgecolor="tab:red" if failed else "black", linewidth=1.2 if failed else 0.6)
+                  edgecolor="black", linewidth=1.2 if failed else 0.6)
         if failed:
             axes.text(row.peak / MIB + 0.01 * widest, position, status_of(row), va="center",
                       fontsize=8, color="tab:red")
@@ -162,11 +165,13 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     axes.set_xlim(0, widest * (1.45 if any(row.status != "ok" for row in drawn) else 1.05))
     axes.set_xlabel("memory at the job's peak (MiB)")
     axes.set_title(f"Memory at the peak, by category: sweep {path.parent.name}")
-    axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small",
-                title="category", title_fontsize="small")
+    categories = [Patch(color=f"C{number}", label=category)  # unfaded, whichever bar is first
+                  for number, category in enumerate(CATEGORY_ORDER[:5])]
+    axes.legend(handles=categories, loc="upper left", bbox_to_anchor=(1.01, 1),
+                fontsize="small", title="category", title_fontsize="small")
     notes = []
     if any(row.status != "ok" for row in drawn):
-        notes.append("Hatched red: the job did not succeed; the bar is what it reached.")
+        notes.append("Faded and hatched: the job did not succeed; the bar is what it reached.")
     if unknown:
         notes.append("No peak known, not drawn: " + "; ".join(
             f"job {row.job} ({label.replace(chr(10), ' ')}): {row.status}"
