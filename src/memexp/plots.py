@@ -169,6 +169,10 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
                   for number, category in enumerate(CATEGORY_ORDER[:5])]
     axes.legend(handles=categories, loc="upper left", bbox_to_anchor=(1.01, 1),
                 fontsize="small", title="category", title_fontsize="small")
+    return save(figure, axes, path, labels, breakdown_notes(drawn, unknown))
+
+
+def breakdown_notes(drawn: list[Row], unknown: list[Row]) -> list[str]:
     notes = []
     if any(row.status != "ok" for row in drawn):
         notes.append("Faded and hatched: the job did not succeed; the bar is what it reached.")
@@ -176,7 +180,7 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
         notes.append("No peak known, not drawn: " + "; ".join(
             f"job {row.job} ({label.replace(chr(10), ' ')}): {row.status}"
             for row, label in zip(unknown, labels_of(unknown), strict=True)))
-    return save(figure, axes, path, labels, notes)
+    return notes
 
 
 def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
