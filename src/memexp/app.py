@@ -56,7 +56,8 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             record.payload["config"] = OmegaConf.to_container(cfg, resolve=True)
         trainer = Trainer(cfg, run_dir)
         record.payload["env"]["device_name"] = device_name(trainer.device)
-        record.payload["techniques"]["blocks"] = trainer.blocks
+        if trainer.blocks:  # what block-level techniques found (memexp.models.blocks)
+            record.payload["techniques"]["blocks"] = trainer.blocks
         trainer.fit(logger)
         record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
     except BaseException as error:
