@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
+from memexp.config import config_dir
 from memexp.memory.sizes import parse_size
 from memexp.report import Row, add_ratios, describe_rows, pareto_front, pick
 
@@ -34,7 +36,11 @@ def result(overrides: list[str], peak: float, step: float, accuracy: float,
            status: str = "ok", **techniques) -> dict:
     chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
               "bn_mode": "train", **techniques}
-    return {"status": status, "overrides": overrides, "techniques": chosen,
+    # the resolved config names each option's class, whose `baseline` the report reads
+    config = {group: {"_target_": yaml.safe_load(
+        (config_dir() / group / f"{option}.yaml").read_text())["_target_"]}
+        for group, option in chosen.items()}
+    return {"status": status, "overrides": overrides, "techniques": chosen, "config": config,
             "memory": {"peak_bytes": int(peak * GIB)} if status == "ok" else None,
             "metrics": {"step_time_s": step, "eval_accuracy": accuracy, "throughput": 1 / step,
                         "throughput_unit": "samples/s"} if status == "ok" else None}
