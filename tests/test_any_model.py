@@ -15,7 +15,7 @@ from memexp.estimate import estimate
 from memexp.loggers import NoLogger
 from memexp.models.blocks import resolve_blocks
 from memexp.result import summary
-from memexp.trainer import Trainer, build_model
+from memexp.trainer import Trainer, build, build_model
 
 from conftest import HF_BERT as BERT
 from conftest import HF_GPT2 as GPT2
@@ -183,6 +183,27 @@ def test_hf_local_reads_a_saved_dataset(tmp_path):
     assert len(metrics.losses) == 2 and metrics.eval_accuracy is not None
     with pytest.raises(ValueError, match=r"data.columns: \['attention_mask'\] not in"):
         train(*GPT2[:8], "data=hf_local", f"data.path={tmp_path / 'tokens'}")
+    # parquet files by split: the same batches
+    for name in ("train", "test"):
+        split.to_parquet(str(tmp_path / f"{name}.parquet"))
+    files = (f"+data.data_files={{train: {tmp_path / 'train.parquet'}, "
+             f"test: {tmp_path / 'test.parquet'}}}")
+    from_files = compose_train(*GPT2[:8], "data=hf_local", "data.path=null", files,
+                               "data.columns=[input_ids,labels]", "data.batch_size=4")
+    batch = build(from_files.data).first_batch()
+    assert torch.equal(batch["input_ids"], build(compose_train(
+        *GPT2[:8], "data=hf_local", f"data.path={tmp_path / 'tokens'}",
+        "data.columns=[input_ids,labels]", "data.batch_size=4").data).first_batch()["input_ids"])
+
+
+def test_pretrained_loads_a_local_folder_and_says_what_is_missing(tmp_path):
+    model = build_model(compose_train(*GPT2).model)
+    model.save_pretrained(tmp_path / "gpt2")
+    loaded = build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'gpt2'}").model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 loaded.state_dict().values(), strict=True))
+    with pytest.raises(FileNotFoundError, match=r"model.pretrained=.*no config.json there"):
+        build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'none'}").model)
 
 
 def test_timm_models_run_where_timm_imports():
