@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import weakref
 from collections.abc import Mapping
 
 import torch
@@ -87,7 +88,9 @@ class FirstForward:
     def __init__(self, model: nn.Module, changed: dict[str, Mapping[str, nn.Module]]):
         self.changed = {group: dict(modules) for group, modules in changed.items() if modules}
         self.ran: set[int] = set()
-        self.inputs: dict[str, Tensor] = {}
+        # The first forward pass's tensors, weakly: a pass that fails (out of memory) must not
+        # keep its batch alive.
+        self.inputs: dict[str, weakref.ref] = {}
         self.handles = [model.register_forward_pre_hook(self._capture, with_kwargs=True)]
         self.handles += [module.register_forward_pre_hook(self._mark)
                          for modules in self.changed.values() for module in modules.values()]
@@ -97,22 +100,22 @@ class FirstForward:
         self.handles.append(model.register_forward_hook(self._verify))
 
     def _capture(self, model: nn.Module, args, kwargs) -> None:
-        self.inputs = {**{f"argument {i}": a for i, a in enumerate(args)
-                          if isinstance(a, Tensor)},
-                       **{k: v for k, v in kwargs.items() if isinstance(v, Tensor)}}
+        named = {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs}
+        self.inputs = {k: weakref.ref(v) for k, v in named.items() if isinstance(v, Tensor)}
 
     def _mark(self, module: nn.Module, args) -> None:
         self.ran.add(id(module))
 
     def _check_lookup(self, name: str):
         def hook(module: nn.Embedding, args) -> None:
-            check_lookup(name, module, args[0], self.inputs)
+            alive = {key: tensor for key, ref in self.inputs.items()
+                     if (tensor := ref()) is not None}
+            check_lookup(name, module, args[0], alive)
         return hook
 
     def _verify(self, model: nn.Module, args, output) -> None:
         for handle in self.handles:
             handle.remove()
-        self.inputs = {}  # the first batch: not kept past its step
         for group, modules in self.changed.items():
             if not any(id(module) in self.ran for module in modules.values()):
                 names = list(modules)
