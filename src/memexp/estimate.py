@@ -7,6 +7,10 @@ the fake storages exactly as it counts real ones. Two steps, because the optimiz
 step 1 creates is alive throughout step 2. Nothing is allocated, so a 7B-parameter model is
 estimated on a laptop; the time goes into Python dispatch, a few seconds per thousand ops.
 
+Before tracing, what values decide is checked for real (memexp.prechecks.dry_run): the batch's
+keys, token ids and positions against every embedding, targets against the model's classes. A
+config that a real run would refuse gets the same error, not a number.
+
 Where the estimate and a real run can differ:
 - values are unknown: a Python branch on a tensor's value (`loss.item()`, a found-inf check)
   sees 0, or True for a boolean, so a fake fp16 step is never skipped;
@@ -23,17 +27,21 @@ from dataclasses import dataclass
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
 from memexp.config import config_dir, target_path
+from memexp.data import synthetic_tokens
 from memexp.loggers import NoLogger
+from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
+from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
-from memexp.techniques.parallel import NoParallel
-from memexp.trainer import Trainer, build, first_steps
+from memexp.techniques import check_estimable
+from memexp.trainer import Trainer, build, build_model, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
@@ -105,15 +113,12 @@ def estimate(cfg: DictConfig, target: str = "cpu") -> Estimate:
     """Predict the peak memory of the run `cfg` describes, on a CPU or a CUDA device."""
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
-    if cfg.parallel._target_ != target_path(NoParallel):
-        # DDP and FSDP need a process group; under fake tensors their collectives and FSDP's
-        # sharding hit data-dependent ops, so they are refused rather than estimated wrongly.
-        raise ValueError("parallel: memexp estimate covers one process (parallel=none); "
-                         "ddp, zero1 and fsdp are not estimated yet")
+    check_estimable(get_class(cfg.parallel._target_))
     started = time.perf_counter()
     cfg = steps_to_trace(cfg)
     allocator = CachingAllocatorModel() if target == "cuda" else None
     data = build(stand_in_data(cfg.data))
+    check_before_tracing(cfg, data)
     fake, flops = FakeTensorMode(allow_non_fake_inputs=True), _FlopsByPhase()
     with fake, _UnknownValues(fake):
         trainer = Trainer(cfg, allocator=allocator, data=data)
@@ -131,14 +136,29 @@ def estimate(cfg: DictConfig, target: str = "cpu") -> Estimate:
     return Estimate(memory, parameters, per_step, time.perf_counter() - started, target)
 
 
+def check_before_tracing(cfg: DictConfig, data) -> None:
+    """What a real run would refuse at its first forward pass, from values that a trace cannot
+    see: the batch's keys against forward's signature, every embedding lookup (token ids, the
+    position table), the targets against the model's classes. The model is built on the meta
+    device: nothing is allocated."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    loss = as_loss(build(cfg.loss))
+    batch = data.first_batch()
+    check_signature(model, batch, loss.passes_labels)
+    dry_run(model, batch, loss)
+
+
 def stand_in_data(data: DictConfig) -> DictConfig:
     """The data set, generated for real: under fake tensors every op of a generator costs
     about half a millisecond. Token values never change memory, so a synthetic token set is
     drawn from 64 words (its rule table is vocabulary squared: 20 GB at 50k words); the model
-    keeps its own vocabulary."""
+    keeps its own vocabulary. Batches are made in this process (no loader workers)."""
     stand_in = OmegaConf.create(OmegaConf.to_container(data, resolve=True))
-    if "vocab_size" in stand_in:
+    if stand_in._target_ == target_path(synthetic_tokens):
         stand_in.vocab_size = min(stand_in.vocab_size, 64)
+    if "num_workers" in stand_in:
+        stand_in.num_workers = 0
     return stand_in
 
 

@@ -67,7 +67,8 @@ class OptimizerChoice:
 
     accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
                  (MMEngine's accumulative_counts, Lightning's accumulate_grad_batches).
-    in_backward: step each parameter as soon as its gradient is complete (StepInBackward).
+    in_backward: step each parameter as soon as its gradient is complete (StepInBackward);
+                 not with accumulate > 1 (memexp.techniques.check_combination).
     """
 
     lr: float
@@ -80,12 +81,6 @@ class OptimizerChoice:
         if self.accumulate < 1:
             raise ValueError(
                 f"optim.accumulate={self.accumulate}: must be >= 1 (1 means no accumulation)"
-            )
-        if self.in_backward and self.accumulate > 1:
-            raise ValueError(
-                f"optim.in_backward=true with optim.accumulate={self.accumulate}: stepping inside "
-                "backward uses each gradient at once, so gradients cannot accumulate over "
-                "micro-batches. Use one or the other."
             )
 
     def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer | StepInBackward:
