@@ -2,12 +2,15 @@
 
 Written atomically (a temp file, then os.replace), first with status "running" when the run
 starts, then with its final status. A run killed outright therefore never leaves a record that
-claims success. The schema is documented in the README ("result.json").
+claims success. The schema is documented in the README ("result.json"). It is strict JSON: a
+NaN or an infinity is written as null, and `non_finite` says what each one was.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import socket
 import traceback
@@ -28,7 +31,79 @@ def now() -> str:
 
 def write_json_atomic(path: Path, payload: dict) -> None:
     with atomic_file(path) as f:
-        json.dump(payload, f, indent=2, default=str)
+        json.dump(finite(payload), f, indent=2, default=str, allow_nan=False)
+
+
+def finite(payload: dict) -> dict:
+    """`payload` with each NaN or infinity replaced by None (JSON has neither, and most readers
+    refuse Python's NaN), and `non_finite` naming what each replaced value was, by its path:
+    {"metrics.final_loss": "nan", "metrics.losses.7": "inf"}."""
+    replaced: dict[str, str] = {}
+
+    def clean(value, path: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            replaced[path] = str(value)
+            return None
+        if isinstance(value, dict):
+            return {key: clean(item, f"{path}.{key}" if path else str(key))
+                    for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(item, f"{path}.{index}") for index, item in enumerate(value)]
+        return value
+
+    cleaned = clean(payload, "")
+    if replaced:  # added to those of a record read back and rewritten (trainer.nproc's)
+        cleaned["non_finite"] = {**(payload.get("non_finite") or {}), **replaced}
+    return cleaned
+
+
+class BadRecord(ValueError):
+    """A result.json that readers cannot use; the message says what is wrong with it."""
+
+
+def load_record(path: Path) -> dict:
+    """A result.json, checked for the types that the summary and the report read."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadRecord(f"{path}: not readable as JSON ({error})") from None
+    problem = record_problem(record)
+    if problem:
+        raise BadRecord(f"{path}: {problem}")
+    return record
+
+
+def record_problem(record) -> str | None:
+    """What makes `record` unusable as a result.json, or None."""
+
+    def number(value, positive: bool = False) -> bool:
+        return (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                  and (not positive or value > 0)))
+
+    if not isinstance(record, dict):
+        return f"holds a {type(record).__name__}, not a result record"
+    expected = {"status": str, "techniques": dict, "overrides": list}
+    for key, kind in expected.items():
+        if not isinstance(record.get(key), kind):
+            return f"`{key}` is {record.get(key)!r}, not a {kind.__name__}"
+    for key in ("memory", "metrics"):
+        if not isinstance(record.get(key), (dict, type(None))):
+            return f"`{key}` is {record[key]!r}, not an object or null"
+    if not isinstance(record.get("error"), (str, type(None))):
+        return f"`error` is {record['error']!r}, not a string or null"
+    memory, metrics = record.get("memory") or {}, record.get("metrics") or {}
+    for key in ("peak_bytes", "reserved_peak_bytes"):
+        if not number(memory.get(key), positive=True):
+            return f"`memory.{key}` is {memory[key]!r}, not a positive number of bytes or null"
+    if memory.get("peak_bytes") is not None and not isinstance(memory.get("phases"), dict):
+        return "`memory.peak_bytes` is set, but `memory.phases` is missing"
+    breakdown = memory.get("breakdown_at_peak") or {}
+    if not isinstance(breakdown, dict) or not all(map(number, breakdown.values())):
+        return f"`memory.breakdown_at_peak` is {breakdown!r}, not bytes by category"
+    for key in ("final_loss", "eval_accuracy", "throughput", "step_time_s"):
+        if not number(metrics.get(key)):
+            return f"`metrics.{key}` is {metrics[key]!r}, not a number or null"
+    return None
 
 
 class RunRecord:
@@ -124,6 +199,9 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if metrics and metrics.get("throughput"):
         lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
                      f"median step {metrics['step_time_s'] * 1000:.1f} ms")
+    elif metrics and metrics.get("steps") and metrics.get("timed_steps") == 0:
+        lines.append(f"  throughput   not measured: all {metrics['steps']} steps were warm-up "
+                     "(trainer.warmup_steps)")
     if metrics and metrics.get("final_loss") is not None:
         accuracy = metrics["eval_accuracy"]
         lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"
@@ -139,6 +217,19 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if result.get("failed_rank") is not None:
         lines.append(f"  failed rank  {result['failed_rank']} (its traceback is the error)")
     if result.get("error"):
-        lines.append("  error        " + result["error"].strip().splitlines()[-1])
+        lines.append("  error        " + error_line(result["error"]))
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")
     return "\n".join(lines)
+
+
+def error_line(error: str) -> str:
+    """One line for a terminal or a table: the exception a traceback ends with, its message
+    joined onto one line (an error's cause is often on the message's second line); for text
+    that is not a traceback (a killed job's reason), its last line."""
+    lines = error.strip().splitlines()
+    starts = [i for i, line in enumerate(lines) if line.startswith("Traceback (most recent")]
+    if not starts:
+        return lines[-1] if lines else ""
+    final = next((i for i in range(starts[-1] + 1, len(lines))
+                  if lines[i] and not lines[i].startswith(" ")), len(lines) - 1)
+    return " ".join(line.strip() for line in lines[final:] if line.strip())
