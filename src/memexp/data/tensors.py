@@ -53,6 +53,8 @@ class TensorData:
             if type(value) is not int or value < 1:
                 raise ValueError(f"{key}={value!r}: must be a positive number of samples "
                                  "(data.batch_size=auto is resolved before the data is built)")
+        if not 0 <= seed < 2**32:  # each epoch's generator is seeded with seed * 1_000_003 + epoch
+            raise ValueError(f"data.seed={seed}: must be an integer from 0 to 2**32 - 1")
         self.train, self.eval = train, eval
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed = seed
