@@ -127,6 +127,19 @@ def test_a_finished_run_is_kept_not_measured_again(tmp_path):
     assert job(run, *TINY, "trainer.max_steps=8")["metrics"]["resumed_from"] == [6]
 
 
+@pytest.mark.slow
+def test_a_refused_rerun_in_a_sweep_folder_is_not_reported_as_ok(tmp_path):
+    """The refused job leaves the earlier record; Hydra's .hydra/overrides.yaml names the job
+    that was launched, and the report does not pass the old record off as it."""
+    settings = (*RESUMABLE, "trainer.device=cpu", "trainer.progress=false")
+    assert run_train_py(tmp_path, *settings).returncode == 0
+    refused = run_train_py(tmp_path, *settings, "optim=adam")
+    assert refused.returncode != 0 and "ResumeRefused" in refused.stderr
+    assert cli.main(["report", str(tmp_path)]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "the job last launched here" in report and "optim=adam) did not run" in report
+
+
 @pytest.mark.parametrize(("changed", "named"), [
     (("optim=sgd_momentum", "optim.lr=0.3"), ("optim.lr", "optim.momentum")),
     (("optim=adamw",), ("optim._target_", "optim.betas")),
@@ -202,7 +215,7 @@ def test_an_unreadable_result_fails_the_sweep(tmp_path, good_record):
     config = sweep_config(sweep_dir)
     callbacks = Callbacks(config)  # Hydra's: it turns a callback's exceptions into warnings
     callbacks.on_multirun_start(config=config)
-    with pytest.raises(SystemExit, match="2 jobs did not succeed: 1 unreadable result.json"):
+    with pytest.raises(SystemExit, match="2 jobs did not succeed: 1 result.json unusable"):
         callbacks.on_multirun_end(config=config)
     assert str(sweep_dir / "1" / "result.json") in (sweep_dir / "report.md").read_text()
 

@@ -46,7 +46,7 @@ def fingerprint(config: DictConfig | dict) -> dict[str, Any]:
     def walk(node: dict, prefix: str) -> None:
         for key, value in node.items():
             name = f"{prefix}{key}"
-            if any(name == k or name.startswith(f"{k}.") for k in RUN_LENGTH_KEYS):
+            if is_run_length_key(name):
                 continue
             if isinstance(value, dict):
                 walk(value, f"{name}.")
@@ -55,6 +55,10 @@ def fingerprint(config: DictConfig | dict) -> dict[str, Any]:
 
     walk(plain, "")
     return flat
+
+
+def is_run_length_key(name: str) -> bool:
+    return any(name == key or name.startswith(f"{key}.") for key in RUN_LENGTH_KEYS)
 
 
 def differences(saved: dict[str, Any], current: dict[str, Any]) -> list[str]:

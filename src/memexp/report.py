@@ -21,10 +21,11 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from hydra.utils import instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from memexp import run_folder
 from memexp.atomic import atomic_file
+from memexp.checkpoint import is_run_length_key
 from memexp.memory.sizes import parse_size
 from memexp.result import CATEGORY_ORDER, GROUPS, BadRecord, error_line, load_record, mib
 
@@ -81,16 +82,37 @@ def job_folders(sweep_dir: Path) -> list[Path]:
 
 
 def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
-    """The rows of the sweep's readable records, and why each other result.json was skipped."""
+    """The rows of the sweep's usable records, and why each other result.json was skipped."""
     rows, skipped = [], []
     for folder in job_folders(sweep_dir):
         try:
-            rows.append(Row(folder.name, load_record(folder / "result.json")))
+            record = load_record(folder / "result.json")
+            check_launched(folder, record)
+            rows.append(Row(folder.name, record))
         except BadRecord as error:
             skipped.append(str(error))
     describe_rows(rows)
     add_ratios(rows)
     return rows, skipped
+
+
+def check_launched(folder: Path, record: dict) -> None:
+    """BadRecord when a job folder's record is not of the job Hydra last launched there: a rerun
+    that was refused (another config's checkpoint) leaves the earlier run's record, while
+    Hydra's `.hydra/overrides.yaml` names the job that did not run. Run-length overrides may
+    differ (a no-op rerun keeps the record it found)."""
+    launched = folder / ".hydra" / "overrides.yaml"
+    if not launched.is_file():  # not a Hydra job folder (memexp plan --verify's)
+        return
+
+    def measured(overrides: list[str]) -> list[str]:  # less what a rerun may change
+        return [o for o in overrides if not is_run_length_key(o.split("=")[0].lstrip("+~"))]
+
+    overrides = OmegaConf.to_container(OmegaConf.load(launched))
+    if measured(overrides) != measured(record["overrides"]):
+        raise BadRecord(f"{folder / 'result.json'}: the record of an earlier run "
+                        f"({' '.join(record['overrides'])}); the job last launched here "
+                        f"({' '.join(overrides)}) did not run, and its log says why")
 
 
 def describe_rows(rows: list[Row]) -> None:
@@ -287,9 +309,9 @@ class Report:
 
     def problems(self) -> str | None:
         """Why this sweep is not a clean success (jobs that did not succeed, records that could
-        not be read), or None."""
+        not be used), or None."""
         parts = [f"job {r.job} {r.status}" for r in self.unsuccessful]
-        parts += [f"{len(self.skipped)} unreadable result.json"] if self.skipped else []
+        parts += [f"{len(self.skipped)} result.json unusable"] if self.skipped else []
         if not parts:
             return None
         return (f"{len(self.unsuccessful) + len(self.skipped)} of "
@@ -306,7 +328,7 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
         f"{sum(r.status == s for r in rows)} {s}" for s in sorted({r.status for r in rows})),
         "", table, ""]
     if skipped:
-        lines += ["## Skipped: result.json files that are not usable records", "",
+        lines += ["## Skipped: result.json files that are not usable records of these jobs", "",
                   *[f"- {cell(why)}" for why in skipped], ""]
     if choice is not None:
         lines += [*budget_lines(choice, rows), ""]
