@@ -159,6 +159,18 @@ def test_resume_refuses_a_checkpoint_of_another_config(tmp_path, changed, named)
     assert fresh["metrics"]["losses"] == straight.losses
 
 
+def test_an_auto_batch_size_run_resumes_with_the_size_it_found(tmp_path):
+    run = tmp_path / "run"
+    auto = (*TINY, "data.batch_size=auto", "memory.budget=1MiB", "data.num_train=8",
+            "trainer.checkpoint_every=1")
+    first = job(run, *auto, "trainer.max_steps=2")
+    assert first["status"] == "ok"
+    assert job(run, *auto, "trainer.max_steps=2")["finished_at"] == first["finished_at"]
+    resumed = job(run, *auto, "trainer.max_steps=3")
+    assert resumed["metrics"]["resumed_from"] == [2]
+    assert resumed["config"]["data"]["batch_size"] == first["config"]["data"]["batch_size"]
+
+
 # -- 4: one process per folder --------------------------------------------------------------------
 @pytest.mark.slow
 def test_a_second_process_is_refused_a_run_folder_in_use(tmp_path):

@@ -57,6 +57,17 @@ def fingerprint(config: DictConfig | dict) -> dict[str, Any]:
     return flat
 
 
+def fingerprint_against(state: dict, config: DictConfig | dict) -> dict[str, Any]:
+    """`config`'s fingerprint, where data.batch_size=auto (and an eval batch size that follows
+    it) stands for the size that the checkpoint's run found: the rerun searches again, and
+    Trainer.resume checks the size it finds against the checkpoint's."""
+    mine, saved = fingerprint(config), state.get("config") or {}
+    for key in ("data.batch_size", "data.eval_batch_size"):
+        if mine.get(key) == "auto" and key in saved:
+            mine[key] = saved[key]
+    return mine
+
+
 def is_run_length_key(name: str) -> bool:
     return any(name == key or name.startswith(f"{key}.") for key in RUN_LENGTH_KEYS)
 
@@ -80,7 +91,7 @@ def check_resumable(path: Path, state: dict, config: DictConfig | dict) -> None:
     if saved is None:
         changed = ["the checkpoint has no config fingerprint (written by an older memexp)"]
     else:
-        changed = differences(saved, fingerprint(config))
+        changed = differences(saved, fingerprint_against(state, config))
     if changed:
         shown = "\n  ".join(changed[:12] + ([f"... and {len(changed) - 12} more"]
                                             if len(changed) > 12 else []))

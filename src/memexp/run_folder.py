@@ -68,7 +68,7 @@ def finished_run(folder: Path, config: dict) -> dict | None:
         record = load_record(folder / "result.json")
     except BadRecord:  # none, or unreadable: it cannot be a finished run's
         record = None
-    mine = checkpoint.fingerprint(config)
+    mine = checkpoint.fingerprint_against(state, config)
     if (record is not None and record["status"] == "ok" and mine == state.get("config")
             and checkpoint.fingerprint(record.get("config") or {}) == mine
             and state["step"] == config["trainer"]["max_steps"]):
