@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import csv
 import logging
-from contextlib import ExitStack
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -371,15 +371,18 @@ class ReportCallback(Callback):
     gets through, so every failure here leaves as one."""
 
     def __init__(self) -> None:
-        self._held = ExitStack()
+        self._lock: int | None = None  # the sweep folder's lock, while the sweep runs
+
+    def __getstate__(self) -> dict:
+        # The launcher pickles Hydra's callbacks into every job; a job holds its own folder.
+        return {"_lock": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # A bad budget must stop the sweep before its jobs run, not after the last one.
         try:
             if config.report.budget is not None:
                 parse_size(config.report.budget, "report.budget")
-            self._held.enter_context(run_folder.hold(Path(str(config.hydra.sweep.dir)),
-                                                     "sweep"))
+            self._lock = run_folder.lock(Path(str(config.hydra.sweep.dir)), "sweep")
         except (ValueError, run_folder.FolderInUse) as error:
             raise SystemExit(f"memexp: {error}") from None
 
@@ -392,7 +395,9 @@ class ReportCallback(Callback):
                              f"({type(error).__name__}: {error}); each job's record is in "
                              f"{sweep_dir}/<job>/result.json") from error
         finally:
-            self._held.close()
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
         log.info("\n" + describe(report))
         try:
             instantiate(config.logger).report(sweep_dir, report)

@@ -1,9 +1,10 @@
 """A run folder: held by one process at a time, and read before a rerun writes anything in it.
 
-- `hold(folder)`: an exclusive lock (flock) on `<folder>/.memexp.lock` for as long as the run
-  goes. A second process that would train, or run a sweep, in the same folder is refused: two
-  would resume from each other's checkpoints and interleave their records. The OS releases the
-  lock when its process ends, however it ends, so a killed run never leaves a stale lock.
+- `hold(folder)` (or `lock`): an exclusive lock (flock) on `<folder>/.memexp.lock` for as long
+  as the run goes. A second process that would train, or run a sweep, in the same folder is
+  refused: two would resume from each other's checkpoints and interleave their records. The OS
+  releases the lock when its process ends, however it ends, so a killed run never leaves a
+  stale lock.
 - `finished_run(folder, config)`: what a rerun finds. Nothing to resume: it trains. A checkpoint
   of its own config with steps left: it resumes. The same run, finished `ok` at exactly
   trainer.max_steps: there is nothing to train, and its record is returned and kept as it is.
@@ -31,9 +32,9 @@ class FolderInUse(RuntimeError):
     """Another live process holds this run or sweep folder."""
 
 
-@contextmanager
-def hold(folder: Path, what: str = "run") -> Iterator[None]:
-    """Hold `folder` (creating it) until the block ends; FolderInUse if another process does."""
+def lock(folder: Path, what: str = "run") -> int:
+    """Take `folder`'s lock (creating the folder); returns the file descriptor that holds it,
+    until it is closed or the process ends. FolderInUse if another process holds it."""
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder / LOCK, os.O_RDWR | os.O_CREAT, 0o666)
     try:
@@ -48,6 +49,13 @@ def hold(folder: Path, what: str = "run") -> Iterator[None]:
     with suppress(OSError):  # who holds it, for the refusal's message; a full disk may not
         os.ftruncate(fd, 0)
         os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    return fd
+
+
+@contextmanager
+def hold(folder: Path, what: str = "run") -> Iterator[None]:
+    """Hold `folder` until the block ends."""
+    fd = lock(folder, what)
     try:
         yield
     finally:
