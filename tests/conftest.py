@@ -5,8 +5,11 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig
@@ -35,11 +38,23 @@ def compose_train(*overrides: str) -> DictConfig:
 def run_train_py(tmp_path: Path, *overrides: str,
                  timeout: float = 180) -> subprocess.CompletedProcess:
     """`python train.py` in a subprocess, its run folder under tmp_path/run."""
-    env = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}", *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=tmp_path, env=env,
-    )
+    return subprocess.run(train_py(tmp_path, overrides), capture_output=True, text=True,
+                          timeout=timeout, cwd=tmp_path, env=TRAIN_PY_ENV)
+
+
+def start_train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
+    """run_train_py, started and left running; its output goes to tmp_path/train_py.log."""
+    with open(tmp_path / "train_py.log", "ab") as log:
+        return subprocess.Popen(train_py(tmp_path, overrides), stdout=log,
+                                stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV)
+
+
+TRAIN_PY_ENV = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
+
+
+def train_py(tmp_path: Path, overrides: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
+            *overrides]
 
 
 def train(*overrides: str, steps: int = 1):
@@ -138,3 +153,31 @@ def write_tiny_mnist(root: Path, count: int = 40, gz: bool = False) -> Path:
                 gz_path.write_bytes(gzip.compress(path.read_bytes()))
                 path.unlink()
     return root
+
+
+@contextmanager
+def small_filesystem(folder: Path, size: str = "256k") -> Iterator[Path]:
+    """A real tmpfs of `size` mounted at `folder`, unmounted at the end (`fill` fills it). Skips
+    the test where mounting is not allowed (it needs root)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"a full filesystem needs a tmpfs mount, refused here: "
+                    f"{mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def fill(folder: Path) -> None:
+    """Write `folder`'s filesystem full: every later write there fails with ENOSPC."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while os.write(fd, b"\0" * 4096):
+            pass
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

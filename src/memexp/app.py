@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,9 +17,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from memexp import distributed, errors
+from memexp import distributed, errors, run_folder
 from memexp.config import config_dir
-from memexp.find_batch import find_batch_size
+from memexp.find_batch import find_batch_size, set_batch_size
 from memexp.loggers import NoLogger, RunInfo
 from memexp.result import (
     HALF_ON_CPU,
@@ -30,11 +34,42 @@ from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer, build, device_na
 log = logging.getLogger("memexp")
 
 
+class Terminated(BaseException):
+    """SIGTERM (kill, scancel, a launcher stopping its ranks), raised where the run is, so that
+    it records `terminated` before it ends. A BaseException: no `except Exception` swallows it."""
+
+
 def status_of(error: BaseException) -> str:
-    """How a run that raised ended: out of memory, diverged, or failed."""
+    """How a run that raised ended: out of memory, diverged, stopped, or failed."""
     if is_out_of_memory(error):
         return "oom"
-    return "nan" if isinstance(error, NonFiniteLoss) else "failed"
+    statuses = {NonFiniteLoss: "nan", Terminated: "terminated", KeyboardInterrupt: "interrupted"}
+    return next((s for kind, s in statuses.items() if isinstance(error, kind)), "failed")
+
+
+@contextmanager
+def sigterm_raises() -> Iterator[None]:
+    """While the block runs, SIGTERM raises Terminated (and a second one ends the process), on
+    any run of one rank or several. Only where SIGTERM still has its default action: a handler
+    that someone else installed is theirs (submitit's, in sweep jobs, logs SIGTERM and waits
+    for its own timeout signal to checkpoint and requeue), and is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGTERM) is not signal.SIG_DFL):
+        yield
+        return
+
+    def terminated(signum, frame) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if distributed.env_world_size() == 1:
+            raise Terminated("the run was stopped by SIGTERM")
+        raise Terminated(f"rank {distributed.env_rank()} was stopped by SIGTERM (its launcher "
+                         "stops every rank when one fails)")
+
+    signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
@@ -43,12 +78,16 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
     a failure. Rank 0 writes result.json and logs; in a run of several ranks, a rank that fails
     leaves its traceback in `<run_dir>/ranks/` first, and rank 0's record names the rank that
     failed first, with its traceback."""
+    with sigterm_raises():
+        return record_run(cfg, run_dir, choices, overrides, group)
+
+
+def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
+               group: str) -> dict:
     rank, world_size = distributed.env_rank(), distributed.env_world_size()
-    if world_size > 1:
-        distributed.stop_on_sigterm()
     record = RunRecord(run_dir / "result.json" if rank == 0 else None,
-                       config=OmegaConf.to_container(cfg, resolve=True), choices=choices,
-                       overrides=overrides)
+                       config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                       choices=choices, overrides=overrides)
     logger, trainer = NoLogger(), None  # until built, inside the record's try
     try:
         if rank == 0:  # only rank 0 logs
@@ -58,9 +97,9 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             resume=cfg.trainer.resume == "auto"))
         if cfg.data.batch_size == "auto":  # the largest batch that fits, found by trying
             search = find_batch_size(cfg)
-            cfg.data.batch_size = search.batch_size
+            set_batch_size(cfg, search.batch_size)
             record.payload["batch_search"] = search.as_dict()
-            record.payload["config"] = OmegaConf.to_container(cfg, resolve=True)
+            record.payload["config"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         trainer = Trainer(cfg, run_dir)
         record.payload["env"]["device_name"] = device_name(trainer.device)
         if rank == 0 and half_precision_on_cpu(record.payload):
@@ -156,26 +195,49 @@ def run(cfg: DictConfig) -> dict:
                          "processes; use one or the other.")
     job = Job(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True), run_dir,
               dict(hydra_cfg.runtime.choices), list(hydra_cfg.overrides.task), group)
-    if distributed.under_torchrun():  # only rank 0 runs Hydra; the others wait for its job
-        distributed.share_job(job)
-    if nproc > 1:
-        return run_ranks(job, nproc)
-    if multirun:
+    if distributed.env_rank() > 0:  # another task of a submitit job: rank 0 holds the folder
         return job.run()
+    if nproc > 1 or multirun:
+        return run_job(job, nproc)
     with errors.summarized_bad_input():
-        return job.run()
+        return run_job(job, nproc)
+
+
+def run_job(job: Job, nproc: int = 1) -> dict:
+    """The whole job, from the process that owns its run folder: hold the folder (another
+    process in it is refused), see what a rerun finds there (run_folder.finished_run), then
+    train with one process or trainer.nproc ranks. A rerun of a run that finished is a no-op
+    that returns the folder's record, untouched."""
+    with run_folder.hold(job.run_dir):
+        finished = run_folder.finished_run(job.run_dir, job.config)
+        if finished is not None:
+            log.info(f"memexp: {job.run_dir} already holds this run, finished: nothing to train; "
+                     f"its result.json is kept as it is\n" + summary(finished, job.run_dir))
+            return finished
+        if distributed.under_torchrun():  # only rank 0 runs Hydra; the others wait for its job
+            distributed.share_job(job)
+        return run_ranks(job, nproc) if nproc > 1 else job.run()
 
 
 def follow_rank_zero() -> None:
     """torchrun's ranks > 0: run the job rank 0 resolved, in its run folder."""
     job = distributed.receive_job()
     if job is None:
-        raise SystemExit(f"memexp: rank {distributed.env_rank()}: rank 0 could not compose "
-                         "the config; its error says why")
+        raise SystemExit(f"memexp: rank {distributed.env_rank()}: rank 0 did not start the "
+                         "run (its config did not compose, or its run folder refused it); its "
+                         "error says why")
     job.run()
 
 
 def main() -> None:
+    try:
+        hydra_entry()
+    except Terminated:
+        # Recorded as `terminated`, and summarized; exit as shells report SIGTERM (128 + 15).
+        raise SystemExit(128 + signal.SIGTERM) from None
+
+
+def hydra_entry() -> None:
     distributed.refuse_multirun(sys.argv)
     hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
                             config_name="train")(run)

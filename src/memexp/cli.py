@@ -9,7 +9,7 @@ from pathlib import Path
 
 from memexp.errors import BAD_INPUT
 from memexp.errors import describe as describe_error
-from memexp.result import summary
+from memexp.result import BadRecord, load_record, summary
 
 
 def show(args: argparse.Namespace) -> int:
@@ -18,8 +18,17 @@ def show(args: argparse.Namespace) -> int:
     if not result_file.is_file():
         print(f"memexp show: no result.json at {result_file}", file=sys.stderr)
         return 2
-    result = json.loads(result_file.read_text())
-    print(summary(result, result_file.parent))
+    try:
+        result = load_record(result_file)
+        text = summary(result, result_file.parent)
+    except BadRecord as error:
+        print(f"memexp show: {error}", file=sys.stderr)
+        return 2
+    except (KeyError, TypeError, ValueError, AttributeError) as error:  # a key the summary reads
+        print(f"memexp show: {result_file}: an incomplete record ({type(error).__name__}: "
+              f"{error})", file=sys.stderr)
+        return 2
+    print(text)
     return 0 if result["status"] == "ok" else 1
 
 
@@ -31,11 +40,12 @@ def report(args: argparse.Namespace) -> int:
         print(f"memexp report: no <job>/result.json under {sweep}", file=sys.stderr)
         return 2
     try:
-        print(describe(write_report(sweep, args.budget)))
+        written = write_report(sweep, args.budget)
     except ValueError as error:  # a budget that is not a size
         print(f"memexp report: {error}", file=sys.stderr)
         return 2
-    return 0
+    print(describe(written))
+    return 1 if written.skipped else 0  # the report is written, without those records
 
 
 def estimate(args: argparse.Namespace) -> int:

@@ -22,7 +22,6 @@ import json
 import multiprocessing
 import os
 import pickle
-import signal
 import socket
 import time
 import traceback
@@ -111,21 +110,6 @@ def refuse_multirun(argv: list[str]) -> None:
 
 
 # -- a rank's failure ---------------------------------------------------------------------------
-class Terminated(BaseException):
-    """SIGTERM: torchrun stops every rank as soon as one fails; this one records first."""
-
-
-def _terminated(signum, frame) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # a second SIGTERM ends the process
-    raise Terminated(f"rank {env_rank()} was stopped by SIGTERM (its launcher stops every "
-                     "rank when one fails)")
-
-
-def stop_on_sigterm() -> None:
-    """Turn SIGTERM into an exception, so that the run's record is written before it ends."""
-    signal.signal(signal.SIGTERM, _terminated)
-
-
 def _failure_path(run_dir: Path, rank: int) -> Path:
     return run_dir / "ranks" / f"rank{rank}.error.json"
 

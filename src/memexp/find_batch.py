@@ -78,8 +78,17 @@ def find_batch_size(cfg: DictConfig,
 def with_batch_size(cfg: DictConfig, batch_size: int) -> DictConfig:
     """`cfg` as a probe: its first two steps at this batch size."""
     trial = first_steps(cfg)
-    trial.data.batch_size = batch_size
+    set_batch_size(trial, batch_size)
     return trial
+
+
+def set_batch_size(cfg: DictConfig, batch_size: int) -> None:
+    """data.batch_size, and data.eval_batch_size where it follows it: in a composed config it is
+    `${.batch_size}` and follows by itself; in a resolved one (train.py's jobs are resolved
+    before they run) it has become "auto" too."""
+    cfg.data.batch_size = batch_size
+    if cfg.data.eval_batch_size == "auto":
+        cfg.data.eval_batch_size = batch_size
 
 
 def probe(cfg: DictConfig, device: torch.device) -> int | None:

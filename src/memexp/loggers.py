@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from memexp.atomic import atomic_file
+
 log = logging.getLogger("memexp")
 
 
@@ -30,7 +32,8 @@ class RunInfo:
 
 class Logger(Protocol):
     def start(self, run: RunInfo) -> dict:
-        """Begin; returns what to record in result.json about this logger."""
+        """Begin; returns what to record in result.json about this logger. The record keeps
+        this very dict: a logger adds to it what goes wrong later (CsvLogger's `error`)."""
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None: ...
 
@@ -57,29 +60,64 @@ class NoLogger:
 
 
 class CsvLogger(NoLogger):
-    """Per-step metrics as rows of `<run dir>/<filename>`."""
+    """Per-step metrics as rows of `<run dir>/<filename>`, a path inside the run folder.
+
+    A resumed run keeps the rows of the steps before its first one, and appends; the rows of
+    later steps are from the attempt that was cut short, and are run again. A write that fails
+    (a full disk) stops this logger, not the run: result.json's `logger.error` says where."""
 
     def __init__(self, filename: str = "metrics.csv"):
+        if not filename or Path(filename).is_absolute() or ".." in Path(filename).parts:
+            raise ValueError(f"logger.filename={filename!r}: must be a path inside the run "
+                             "folder, such as metrics.csv or logs/metrics.csv (not absolute, "
+                             "no '..')")
         self.filename = filename
+        self._path: Path | None = None
+        self._resume = False
+        self._record: dict = {}
         self._file = None
         self._writer: csv.DictWriter | None = None
 
     def start(self, run: RunInfo) -> dict:
-        path = run.run_dir / self.filename
-        self._file = open(path, "w", newline="")  # noqa: SIM115 (closed in finish)
-        return {"csv": str(path)}
+        self._path, self._resume = run.run_dir / self.filename, run.resume
+        self._record = {"csv": str(self._path)}
+        return self._record
 
     def log(self, step: int, metrics: dict[str, float | None]) -> None:
+        if "error" in self._record:
+            return
         row = {"step": step, **metrics}
-        if self._writer is None:
-            self._writer = csv.DictWriter(self._file, fieldnames=list(row))
-            self._writer.writeheader()
-        self._writer.writerow(row)
-        self._file.flush()
+        try:
+            if self._writer is None:
+                self._open(list(row), step)
+            self._writer.writerow(row)
+            self._file.flush()
+        except OSError as error:
+            self._record["error"] = f"stopped writing at step {step}: {error}"
+            log.warning("logger=csv: %s: %s; the run goes on without it", self._path, error)
+            self.finish({}, 1)
+
+    def _open(self, columns: list[str], step: int) -> None:
+        """Start the file with the rows of earlier steps (a resumed run's), then append."""
+        earlier = []
+        if self._resume and self._path.is_file():
+            with open(self._path, newline="") as f:
+                earlier = [r for r in csv.DictReader(f)
+                           if (r.get("step") or "").isdigit() and int(r["step"]) < step]
+        with atomic_file(self._path) as f:
+            rewrite = csv.DictWriter(f, fieldnames=columns, restval="", extrasaction="ignore")
+            rewrite.writeheader()
+            rewrite.writerows(earlier)
+        self._file = open(self._path, "a", newline="")  # noqa: SIM115 (closed in finish)
+        self._writer = csv.DictWriter(self._file, fieldnames=columns)
 
     def finish(self, result: dict, exit_code: int) -> None:
         if self._file is not None:
-            self._file.close()
+            file, self._file = self._file, None
+            try:
+                file.close()
+            except OSError:  # the flush of a full disk: already said, in log()
+                pass
 
 
 def wandb_host() -> str:

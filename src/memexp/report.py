@@ -1,8 +1,9 @@
 """The comparison report of a sweep folder: a table, plots, and the best configs under a budget.
 
 Reads every `<sweep>/<job>/result.json` there is, so it works on a finished, partial or running
-sweep alike. Writes `report.md`, `report.csv` and three PNG plots into the sweep folder. Runs by
-itself at the end of every sweep (`ReportCallback`) and on demand (`memexp report <sweep>`).
+sweep alike; a file that is not a usable record is skipped and named. Writes `report.md`,
+`report.csv` and three PNG plots into the sweep folder. Runs by itself at the end of every sweep
+(`ReportCallback`) and on demand (`memexp report <sweep>`).
 
 Ratios compare techniques on the same workload: rows whose varying overrides differ only in
 technique settings (the technique groups and their keys, model.inplace, memory.*) share a
@@ -13,17 +14,29 @@ bn_mode (the classes' `baseline` attribute: fp32, none, train), else their first
 from __future__ import annotations
 
 import csv
-import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
 from hydra.utils import get_class, instantiate
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from memexp import run_folder
+from memexp.atomic import atomic_file
+from memexp.checkpoint import is_run_length_key
 from memexp.memory.sizes import parse_size
-from memexp.result import CATEGORY_ORDER, GROUPS, HALF_ON_CPU, half_precision_on_cpu, mib
+from memexp.result import (
+    CATEGORY_ORDER,
+    GROUPS,
+    HALF_ON_CPU,
+    BadRecord,
+    error_line,
+    half_precision_on_cpu,
+    load_record,
+    mib,
+)
 
 log = logging.getLogger("memexp")
 MIB = 2**20
@@ -78,12 +91,38 @@ def job_folders(sweep_dir: Path) -> list[Path]:
     return sorted((p.parent for p in sweep_dir.glob("*/result.json")), key=order)
 
 
-def load_rows(sweep_dir: Path) -> list[Row]:
-    rows = [Row(folder.name, json.loads((folder / "result.json").read_text()))
-            for folder in job_folders(sweep_dir)]
+def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
+    """The rows of the sweep's usable records, and why each other result.json was skipped."""
+    rows, skipped = [], []
+    for folder in job_folders(sweep_dir):
+        try:
+            record = load_record(folder / "result.json")
+            check_launched(folder, record)
+            rows.append(Row(folder.name, record))
+        except BadRecord as error:
+            skipped.append(str(error))
     describe_rows(rows)
     add_ratios(rows)
-    return rows
+    return rows, skipped
+
+
+def check_launched(folder: Path, record: dict) -> None:
+    """BadRecord when a job folder's record is not of the job Hydra last launched there: a rerun
+    that was refused (another config's checkpoint) leaves the earlier run's record, while
+    Hydra's `.hydra/overrides.yaml` names the job that did not run. Run-length overrides may
+    differ (a no-op rerun keeps the record it found)."""
+    launched = folder / ".hydra" / "overrides.yaml"
+    if not launched.is_file():  # not a Hydra job folder (memexp plan --verify's)
+        return
+
+    def measured(overrides: list[str]) -> list[str]:  # less what a rerun may change
+        return [o for o in overrides if not is_run_length_key(o.split("=")[0].lstrip("+~"))]
+
+    overrides = OmegaConf.to_container(OmegaConf.load(launched))
+    if measured(overrides) != measured(record["overrides"]):
+        raise BadRecord(f"{folder / 'result.json'}: the record of an earlier run "
+                        f"({' '.join(record['overrides'])}); the job last launched here "
+                        f"({' '.join(overrides)}) did not run, and its log says why")
 
 
 def describe_rows(rows: list[Row]) -> None:
@@ -161,14 +200,14 @@ COLUMNS = ["job", "config", "status", *GROUPS, "peak_mib",
 
 def csv_record(row: Row) -> dict:
     breakdown = row.memory.get("breakdown_at_peak") or {}
-    error = (row.result.get("error") or "").strip().splitlines()
+    error = row.result.get("error")
     record = {"job": row.job, "config": row.label, "status": row.status,
               **{g: row.result.get("techniques", {}).get(g) for g in GROUPS},
               "peak_mib": row.peak / MIB if row.peak is not None else None,
               **{f"{c}_mib": breakdown[c] / MIB if c in breakdown else None
                  for c in CATEGORY_ORDER},
               "memory_x_base": row.memory_ratio, "step_time_x_base": row.step_time_ratio,
-              "error": error[-1] if error else None}
+              "error": error_line(error) if error else None}
     for key in ("throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s"):
         record[key] = row.metrics.get(key)
     return record
@@ -177,7 +216,13 @@ def csv_record(row: Row) -> dict:
 def fmt(value, digits: int = 2) -> str:
     if value is None:
         return "-"
-    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+    return f"{value:.{digits}f}" if isinstance(value, float) else cell(str(value))
+
+
+def cell(text: str) -> str:
+    """Text for a markdown table cell: a `|` (in an override such as `+model.act=a|b`) would
+    end the cell, and a line break the row."""
+    return text.replace("|", "\\|").replace("\n", " ")
 
 
 def markdown_table(rows: list[Row]) -> str:
@@ -190,7 +235,8 @@ def markdown_table(rows: list[Row]) -> str:
         throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}{mark}"
                       if r["throughput"] is not None else "-")
         lines.append(
-            f"| {row.job} | {row.label} | {row.status} | {fmt(r['peak_mib'], 1)} | "
+            f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | "
+            f"{fmt(r['peak_mib'], 1)} | "
             + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:5])
             + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])}{mark} | {throughput} | "
             f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
@@ -226,20 +272,35 @@ class Report:
     csv: Path
     plots: list[Path]
     budget: BudgetPick | None = None
+    skipped: list[str] = field(default_factory=list)  # result.json files that were unusable
 
     @property
     def unsuccessful(self) -> list[Row]:
         return [row for row in self.rows if row.status != "ok"]
 
+    def problems(self) -> str | None:
+        """Why this sweep is not a clean success (jobs that did not succeed, records that could
+        not be used), or None."""
+        parts = [f"job {r.job} {r.status}" for r in self.unsuccessful]
+        parts += [f"{len(self.skipped)} result.json unusable"] if self.skipped else []
+        if not parts:
+            return None
+        return (f"{len(self.unsuccessful) + len(self.skipped)} of "
+                f"{len(self.rows) + len(self.skipped)} jobs did not succeed: {', '.join(parts)}."
+                f" See {self.markdown}")
+
 
 def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
     sweep_dir = Path(sweep_dir)
-    rows = load_rows(sweep_dir)
+    rows, skipped = load_rows(sweep_dir)
     table = markdown_table(rows)
     choice = pick(rows, parse_size(budget, "report.budget")) if budget else None
     lines = [f"# Sweep {sweep_dir.name}", "", f"{len(rows)} jobs: " + ", ".join(
         f"{sum(r.status == s for r in rows)} {s}" for s in sorted({r.status for r in rows})),
         "", table, ""]
+    if skipped:
+        lines += ["## Skipped: result.json files that are not usable records of these jobs", "",
+                  *[f"- {cell(why)}" for why in skipped], ""]
     if choice is not None:
         lines += [*budget_lines(choice, rows), ""]
     plots = plot(rows, sweep_dir)
@@ -248,20 +309,22 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
     if failures:
         lines += ["", "## Jobs that did not succeed", ""]
         lines += [f"- job {row.job} ({row.label}): {row.status}: "
-                  f"{row.result['error'].strip().splitlines()[-1]}" for row in failures]
+                  f"{error_line(row.result['error'])}" for row in failures]
     markdown = sweep_dir / "report.md"
-    markdown.write_text("\n".join(lines) + "\n")
+    with atomic_file(markdown) as f:
+        f.write("\n".join(lines) + "\n")
     csv_path = sweep_dir / "report.csv"
-    with open(csv_path, "w", newline="") as f:
+    with atomic_file(csv_path) as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(csv_record(row) for row in rows)
-    return Report(rows, table, markdown, csv_path, plots, choice)
+    return Report(rows, table, markdown, csv_path, plots, choice, skipped)
 
 
 def describe(report: Report) -> str:
     """What a user sees in the terminal at the end of a sweep."""
     lines = [report.table, ""]
+    lines += [f"skipped {why}" for why in report.skipped]
     if report.budget is not None:
         lines += [*budget_lines(report.budget, report.rows), ""]
     lines.append(f"Report: {report.markdown}, {report.csv.name}; plots: "
@@ -270,26 +333,48 @@ def describe(report: Report) -> str:
 
 
 class ReportCallback(Callback):
-    """At the end of every sweep: the report, in the terminal, on disk and in the logger; then a
-    non-zero exit if any job did not succeed."""
+    """Holds the sweep folder for the sweep's duration (a second sweep into it is refused
+    before any job runs). At the end: the report, in the terminal, on disk and in the logger;
+    then a non-zero exit if any job did not succeed, a result.json was unreadable, or the
+    report itself could not be written.
+
+    Hydra turns a callback's exceptions into warnings, and the sweep would exit 0; SystemExit
+    gets through, so every failure here leaves as one."""
+
+    def __init__(self) -> None:
+        self._lock: int | None = None  # the sweep folder's lock, while the sweep runs
+
+    def __getstate__(self) -> dict:
+        # The launcher pickles Hydra's callbacks into every job; a job holds its own folder.
+        return {"_lock": None}
 
     def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
         # A bad budget must stop the sweep before its jobs run, not after the last one.
-        if config.report.budget is not None:
-            try:
+        try:
+            if config.report.budget is not None:
                 parse_size(config.report.budget, "report.budget")
-            except ValueError as error:
-                raise SystemExit(f"memexp: {error}") from None
+            self._lock = run_folder.lock(Path(str(config.hydra.sweep.dir)), "sweep")
+        except (ValueError, run_folder.FolderInUse) as error:
+            raise SystemExit(f"memexp: {error}") from None
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
         sweep_dir = Path(str(config.hydra.sweep.dir))
-        report = write_report(sweep_dir, config.report.budget)
+        try:
+            report = write_report(sweep_dir, config.report.budget)
+        except Exception as error:
+            raise SystemExit(f"memexp: the sweep's report could not be written "
+                             f"({type(error).__name__}: {error}); each job's record is in "
+                             f"{sweep_dir}/<job>/result.json") from error
+        finally:
+            if self._lock is not None:
+                os.close(self._lock)
+                self._lock = None
         log.info("\n" + describe(report))
-        instantiate(config.logger).report(sweep_dir, report)
-        if report.unsuccessful:
-            # Hydra turns a callback's exceptions into warnings; SystemExit gets through, so the
-            # sweep's exit code says that some jobs failed.
-            raise SystemExit(
-                f"memexp: {len(report.unsuccessful)} of {len(report.rows)} jobs did not "
-                "succeed: " + ", ".join(f"job {r.job} {r.status}" for r in report.unsuccessful)
-                + f". See {report.markdown}")
+        try:
+            instantiate(config.logger).report(sweep_dir, report)
+        except Exception as error:  # a logger never fails what it logs
+            log.warning("the logger could not take the report: %s: %s",
+                        type(error).__name__, error)
+        problems = report.problems()
+        if problems:
+            raise SystemExit(f"memexp: {problems}")

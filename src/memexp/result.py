@@ -2,12 +2,15 @@
 
 Written atomically (a temp file, then os.replace), first with status "running" when the run
 starts, then with its final status. A run killed outright therefore never leaves a record that
-claims success. The schema is documented in the README ("result.json").
+claims success. The schema is documented in the README ("result.json"). It is strict JSON: a
+NaN or an infinity is written as null, and `non_finite` says what each one was.
 """
 
 from __future__ import annotations
 
 import json
+import math
+import numbers
 import os
 import socket
 import traceback
@@ -28,7 +31,79 @@ def now() -> str:
 
 def write_json_atomic(path: Path, payload: dict) -> None:
     with atomic_file(path) as f:
-        json.dump(payload, f, indent=2, default=str)
+        json.dump(finite(payload), f, indent=2, default=str, allow_nan=False)
+
+
+def finite(payload: dict) -> dict:
+    """`payload` with each NaN or infinity replaced by None (JSON has neither, and most readers
+    refuse Python's NaN), and `non_finite` naming what each replaced value was, by its path:
+    {"metrics.final_loss": "nan", "metrics.losses.7": "inf"}."""
+    replaced: dict[str, str] = {}
+
+    def clean(value, path: str):
+        if isinstance(value, float) and not math.isfinite(value):
+            replaced[path] = str(value)
+            return None
+        if isinstance(value, dict):
+            return {key: clean(item, f"{path}.{key}" if path else str(key))
+                    for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(item, f"{path}.{index}") for index, item in enumerate(value)]
+        return value
+
+    cleaned = clean(payload, "")
+    if replaced:  # added to those of a record read back and rewritten (trainer.nproc's)
+        cleaned["non_finite"] = {**(payload.get("non_finite") or {}), **replaced}
+    return cleaned
+
+
+class BadRecord(ValueError):
+    """A result.json that readers cannot use; the message says what is wrong with it."""
+
+
+def load_record(path: Path) -> dict:
+    """A result.json, checked for the types that the summary and the report read."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BadRecord(f"{path}: not readable as JSON ({error})") from None
+    problem = record_problem(record)
+    if problem:
+        raise BadRecord(f"{path}: {problem}")
+    return record
+
+
+def record_problem(record) -> str | None:
+    """What makes `record` unusable as a result.json, or None."""
+
+    def number(value, positive: bool = False) -> bool:
+        return (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                                  and (not positive or value > 0)))
+
+    if not isinstance(record, dict):
+        return f"holds a {type(record).__name__}, not a result record"
+    expected = {"status": str, "techniques": dict, "overrides": list}
+    for key, kind in expected.items():
+        if not isinstance(record.get(key), kind):
+            return f"`{key}` is {record.get(key)!r}, not a {kind.__name__}"
+    for key in ("memory", "metrics"):
+        if not isinstance(record.get(key), (dict, type(None))):
+            return f"`{key}` is {record[key]!r}, not an object or null"
+    if not isinstance(record.get("error"), (str, type(None))):
+        return f"`error` is {record['error']!r}, not a string or null"
+    memory, metrics = record.get("memory") or {}, record.get("metrics") or {}
+    for key in ("peak_bytes", "reserved_peak_bytes"):
+        if not number(memory.get(key), positive=True):
+            return f"`memory.{key}` is {memory[key]!r}, not a positive number of bytes or null"
+    if memory.get("peak_bytes") is not None and not isinstance(memory.get("phases"), dict):
+        return "`memory.peak_bytes` is set, but `memory.phases` is missing"
+    breakdown = memory.get("breakdown_at_peak") or {}
+    if not isinstance(breakdown, dict) or not all(map(number, breakdown.values())):
+        return f"`memory.breakdown_at_peak` is {breakdown!r}, not bytes by category"
+    for key in ("final_loss", "eval_accuracy", "throughput", "step_time_s"):
+        if not number(metrics.get(key)):
+            return f"`metrics.{key}` is {metrics[key]!r}, not a number or null"
+    return None
 
 
 class RunRecord:
@@ -95,17 +170,17 @@ def half_precision_on_cpu(result: dict) -> bool:
     return dtype in ("float16", "bfloat16") and device == "cpu"
 
 
-def error_message(error: str, most: int = 4) -> list[str]:
+def error_message(error: str, most: int | None = 4) -> list[str]:
     """The exception's own message from a formatted traceback (its lines after the last frame;
     a text that is no traceback, such as a killed job's reason, as it is): its first lines and
-    its last, `most` in all."""
+    its last, `most` in all (None: every line)."""
     lines = error.strip().splitlines()
     frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
     start = frames[-1] + 1 if frames else 0
     while start < len(lines) and lines[start].startswith("    "):  # the frame's code lines
         start += 1
     message = lines[start:] or lines[-1:]
-    if len(message) <= most:
+    if most is None or len(message) <= most:
         return message
     return [*message[:most - 2], f"... ({len(message) - most + 1} more lines)", message[-1]]
 
@@ -152,6 +227,9 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if metrics and metrics.get("throughput"):
         lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
                      f"median step {metrics['step_time_s'] * 1000:.1f} ms")
+    elif metrics and metrics.get("steps") and metrics.get("timed_steps") == 0:
+        lines.append(f"  throughput   not measured: all {metrics['steps']} steps were warm-up "
+                     "(trainer.warmup_steps)")
     if metrics and metrics.get("final_loss") is not None:
         accuracy = metrics["eval_accuracy"]
         lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"
@@ -171,3 +249,12 @@ def summary(result: dict, run_dir: Path | str) -> str:
         lines.append("  error        " + "\n               ".join(message))
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")
     return "\n".join(lines)
+
+
+def error_line(error: str) -> str:
+    """The exception's whole message on one line, for a table (an error's cause is often on the
+    message's second line); of a text that is no traceback (a killed job's reason, then its
+    stderr), the last line."""
+    if "Traceback (most recent call last)" not in error:
+        return (error.strip().splitlines() or [""])[-1]
+    return " ".join(line.strip() for line in error_message(error, most=None) if line.strip())

@@ -63,14 +63,25 @@ def build(node: DictConfig):
 
 
 def build_model(node: DictConfig) -> nn.Module:
+    """The model, or an error whose first line says why not: the class could not be imported,
+    Hydra refused the target, or the constructor raised (its own error, and the keys given)."""
     try:
         return build(node)
     except InstantiationException as error:
-        raise InstantiationException(
-            f"{error}\nmodel._target_={node._target_} could not be built with the keys "
-            f"{sorted(k for k in node if k != '_target_')}. For your own model use "
-            "`model=custom model._target_=pkg.Class` and give its arguments as +model.<key>=..."
-        ) from error
+        root, keys = error, sorted(k for k in node if k != "_target_")
+        while root.__cause__ is not None:
+            root = root.__cause__
+        hint = ("\nFor your own model use `model=custom model._target_=pkg.Class` and give its "
+                "arguments as +model.<key>=...")
+        if isinstance(root, ImportError):
+            why = f"cannot be imported ({type(root).__name__}: {root}){hint}"
+        elif root is error:  # Hydra refused the target itself
+            why = " ".join(line for line in str(error).splitlines()
+                           if not line.startswith("full_key:"))
+        else:
+            why = f"raised {type(root).__name__}: {root} (given the keys {keys})"
+            why += hint if isinstance(root, TypeError) else ""
+        raise InstantiationException(f"model._target_={node._target_}: {why}") from error
 
 
 class OutOfMemory(RuntimeError):
@@ -323,6 +334,7 @@ class Trainer:
         cuda = self.device.type == "cuda"
         state = {
             "step": step,
+            "config": checkpoint.fingerprint(self.cfg),  # what a resumed run must match
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "precision": self.precision.state_dict(),
@@ -334,13 +346,15 @@ class Trainer:
 
     def resume(self) -> int:
         """trainer.resume=auto: continue from the newest checkpoint of this run folder that
-        loads (a requeued or rerun job); returns the step it ends, or 0."""
+        loads (a requeued or rerun job), if this run's config is the one that wrote it (else
+        ResumeRefused); returns the step it ends, or 0."""
         if self.cfg.trainer.resume != "auto" or self.checkpoints is None:
             return 0
         found = checkpoint.load_newest(self.checkpoints)
         if found is None:
             return 0
         path, state = found
+        checkpoint.check_resumable(path, state, self.cfg)
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.precision.load_state_dict(state["precision"])
@@ -377,7 +391,8 @@ class Trainer:
     def summary_metrics(self) -> dict:
         """The `metrics` section of result.json (also of a run that stopped early)."""
         metrics = self.metrics
-        timed = metrics.step_times[self.cfg.trainer.warmup_steps:] or metrics.step_times
+        # Warm-up steps are never timed: a run of warm-up only has no step time, not a wrong one.
+        timed = metrics.step_times[self.cfg.trainer.warmup_steps:]
         step_time = statistics.median(timed) if timed else None
         items = (self.data.batch_size * self.optim.accumulate * self.parallel.world_size
                  * self.data.items_per_sample)
@@ -389,6 +404,7 @@ class Trainer:
             "throughput_unit": f"{self.data.unit}/s",
             "step_time_s": step_time,
             "steps": len(metrics.losses),
+            "timed_steps": len(timed),
             "skipped_steps": metrics.skipped_steps,
             "bad_steps": metrics.bad_steps,
             "resumed_from": metrics.resumed_from,

@@ -21,6 +21,7 @@ from memexp.data.tensors import (
     BatchSize,
     batch_indices,
     check_batch_sizes,
+    check_seed,
     eval_indices,
     map_batch,
 )
@@ -54,6 +55,7 @@ class LoaderData:
                  pin_memory: bool = False, collate: Callable | None = None,
                  unit: str = "samples", items_per_sample: int = 1):
         check_batch_sizes(batch_size, eval_batch_size)
+        check_seed(seed)
         if num_workers < 0:
             raise ValueError(f"data.num_workers={num_workers}: must be >= 0")
         self.train, self.eval = train, eval

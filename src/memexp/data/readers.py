@@ -39,6 +39,59 @@ def _check_declared(dataset: str, train: Split, num_classes: int, channels: int,
         )
 
 
+def _split(images: Tensor, labels: Tensor, source: str) -> Split:
+    """One image per label, and no label below 0, checked as the files are read: a mismatch
+    would otherwise train on whatever lines up, and a negative label fail at some later step."""
+    if len(images) != len(labels):
+        raise ValueError(f"{source}: {len(images)} images but {len(labels)} labels")
+    if len(labels) and int(labels.min()) < 0:
+        index = int(labels.argmin())
+        raise ValueError(f"{source}: label {int(labels[index])} at index {index}; labels are "
+                         "class numbers from 0")
+    return Split(images, labels)
+
+
+def _unreadable(path: Path, what: str, error: Exception) -> ValueError:
+    return ValueError(f"{path}: not {what} ({type(error).__name__}: {error})")
+
+
+class _CifarUnpickler(pickle.Unpickler):
+    """Only what CIFAR-10's python-version files hold: a dict with bytes keys, lists of ints and
+    of bytes, and a uint8 numpy array, which pickle rebuilds through these numpy functions (the
+    files were written by Python 2 and numpy 1; newer pickles name numpy._core, and bytes through
+    _codecs.encode). Any other global, such as os.system, is refused before it is looked up: a
+    crafted file in data.root runs nothing."""
+
+    ALLOWED = {("numpy.core.multiarray", "_reconstruct"),
+               ("numpy._core.multiarray", "_reconstruct"), ("numpy", "ndarray"),
+               ("numpy", "dtype"), ("numpy.core.numeric", "_frombuffer"),
+               ("numpy._core.numeric", "_frombuffer"), ("_codecs", "encode")}
+
+    def find_class(self, module: str, name: str):
+        if (module, name) not in self.ALLOWED:
+            raise pickle.UnpicklingError(f"it names {module}.{name}, which a CIFAR-10 batch "
+                                         "never holds (refused without running it)")
+        return super().find_class(module, name)
+
+
+def read_cifar_batch(path: Path) -> tuple[np.ndarray, list[int]]:
+    """One CIFAR-10 batch file: its N x 3072 uint8 pixels and its N labels."""
+    try:
+        with open(path, "rb") as f:
+            entry = _CifarUnpickler(f, encoding="bytes").load()
+    except Exception as error:  # truncated, corrupt, or not a pickle at all
+        raise _unreadable(path, "a CIFAR-10 python-version batch", error) from error
+    if not isinstance(entry, dict):
+        raise ValueError(f"{path}: holds a {type(entry).__name__}, not a CIFAR-10 batch dict")
+    pixels, labels = entry.get(b"data"), entry.get(b"labels")
+    if (not isinstance(pixels, np.ndarray) or pixels.dtype != np.uint8 or pixels.ndim != 2
+            or pixels.shape[1] != 3 * 32 * 32):
+        raise ValueError(f"{path}: b'data' is not an N x 3072 array of uint8 pixels")
+    if not isinstance(labels, list) or not all(type(label) is int for label in labels):
+        raise ValueError(f"{path}: b'labels' is not a list of integers")
+    return pixels, labels
+
+
 def _missing(root: Path, folder: Path, what: str, files: list[str],
              source: str) -> FileNotFoundError:
     listing = "\n  ".join(files)
@@ -68,14 +121,12 @@ def cifar10(
                        "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz, extracted")
 
     def load(files: list[str]) -> Split:
-        images, labels = [], []
+        parts = []
         for name in files:
-            with open(folder / name, "rb") as f:
-                entry = pickle.load(f, encoding="bytes")
-            images.append(np.asarray(entry[b"data"], dtype=np.uint8))
-            labels.extend(entry[b"labels"])
-        pixels = torch.from_numpy(np.concatenate(images)).view(-1, 3, 32, 32)
-        return Split(pixels, torch.tensor(labels, dtype=torch.long))
+            pixels, labels = read_cifar_batch(folder / name)
+            parts.append(_split(torch.from_numpy(pixels).view(-1, 3, 32, 32),
+                                torch.tensor(labels, dtype=torch.long), str(folder / name)))
+        return Split(torch.cat([p.inputs for p in parts]), torch.cat([p.targets for p in parts]))
 
     train = load(names[:5])
     _check_declared("cifar10", train, num_classes, channels, image_size)
@@ -91,8 +142,13 @@ IDX_DTYPES = {0x08: np.uint8, 0x09: np.int8, 0x0B: ">i2", 0x0C: ">i4", 0x0D: ">f
 def read_idx(path: Path) -> np.ndarray:
     """An IDX file (MNIST's format): zero bytes, a type code, the rank, big-endian dims, data."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
+    try:
+        with opener(path, "rb") as f:
+            raw = f.read()
+    except (OSError, EOFError) as error:  # a .gz that is not gzip, or cut short
+        raise _unreadable(path, "a readable IDX file", error) from error
+    if not raw:
+        raise ValueError(f"{path} is not an IDX file: it is empty")
     if len(raw) < 4 or raw[0] != 0 or raw[1] != 0 or raw[2] not in IDX_DTYPES:
         raise ValueError(f"{path} is not an IDX file (bad magic number {raw[:4].hex()})")
     rank = raw[3]
@@ -130,8 +186,12 @@ def mnist(
                        "http://yann.lecun.com/exdb/mnist/, .gz or not")
 
     def load(images: Path, labels: Path) -> Split:
-        pixels = torch.from_numpy(read_idx(images).copy()).unsqueeze(1)
-        return Split(pixels, torch.from_numpy(read_idx(labels).astype(np.int64)))
+        pixels, targets = read_idx(images), read_idx(labels)
+        if pixels.ndim != 3 or targets.ndim != 1:
+            raise ValueError(f"{images} and {labels}: expected N x rows x columns images and N "
+                             f"labels, found shapes {pixels.shape} and {targets.shape}")
+        return _split(torch.from_numpy(pixels.copy()).unsqueeze(1),
+                      torch.from_numpy(targets.astype(np.int64)), f"{images} and {labels}")
 
     train = load(*paths[:2])
     _check_declared("mnist", train, num_classes, channels, image_size)

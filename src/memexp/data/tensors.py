@@ -52,6 +52,11 @@ def check_batch_sizes(batch_size: BatchSize, eval_batch_size: BatchSize) -> None
                              "(data.batch_size=auto is resolved before the data is built)")
 
 
+def check_seed(seed: int) -> None:
+    if not 0 <= seed < 2**32:  # each epoch's generator is seeded with seed * 1_000_003 + epoch
+        raise ValueError(f"data.seed={seed}: must be an integer from 0 to 2**32 - 1")
+
+
 def batch_indices(size: int, batch_size: int, seed: int, start: int = 0, rank: int = 0,
                   world_size: int = 1) -> Iterator[Tensor]:
     """The sample indices of micro-batches `start`, `start + 1`, ... forever, of a set of `size`.
@@ -148,6 +153,7 @@ class TensorData:
         decode: Callable[[Tensor], Tensor] = unchanged,
     ):
         check_batch_sizes(batch_size, eval_batch_size)
+        check_seed(seed)
         self.train, self.eval = train, eval
         self.batch_size, self.eval_batch_size = batch_size, eval_batch_size
         self.seed = seed
