@@ -17,16 +17,18 @@ from memexp import distributed
 from memexp.config import config_dir
 from memexp.find_batch import find_batch_size
 from memexp.loggers import NoLogger, RunInfo
-from memexp.result import RunRecord, record_killed, summary, write_json_atomic
+from memexp.result import RunRecord, TimedOut, record_killed, summary, write_json_atomic
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer, build, device_name, is_out_of_memory
 
 log = logging.getLogger("memexp")
 
 
 def status_of(error: BaseException) -> str:
-    """How a run that raised ended: out of memory, diverged, or failed."""
+    """How a run that raised ended: out of memory, diverged, timed out, or failed."""
     if is_out_of_memory(error):
         return "oom"
+    if isinstance(error, TimedOut):
+        return "timeout"
     return "nan" if isinstance(error, NonFiniteLoss) else "failed"
 
 
