@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -135,17 +136,19 @@ checkpoint.save(folder, 2, {{"weights": torch.arange(2000)}}, keep=2)
     assert path.name == "step_00000001.pt" and torch.equal(state["weights"], torch.arange(1000))
 
 
-def job_processes(sweep_dir: Path) -> list[int]:
-    """The sweep's submitit task processes: `python -m hydra_plugins.memexp_launcher.job ...
-    <sweep_dir>/.submitit/%j`."""
+def processes_of(sweep_dir: Path, *, running: str = "") -> list[int]:
+    """The processes whose command line names the sweep folder (submitit's controller and the
+    job's tasks: `python -u -m hydra_plugins.memexp_launcher.job ... <sweep_dir>/.submitit/%j`),
+    those running the module `running` only, if given."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             argv = (proc / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        if b"hydra_plugins.memexp_launcher.job" in argv and any(
-                str(sweep_dir).encode() in arg for arg in argv):
+        if running and running.encode() not in argv:
+            continue
+        if any(str(sweep_dir).encode() in arg for arg in argv):
             found.append(int(proc.name))
     return found
 
@@ -201,15 +204,18 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
             [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
              *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path) as sweep:
         try:
+            job = "hydra_plugins.memexp_launcher.job"
             starting = wait_for("a job holding back its time-out signal", lambda: next(
-                (p for p in job_processes(sweep_dir) if holds_back_usr2(p)), None), sweep)
+                (p for p in processes_of(sweep_dir, running=job) if holds_back_usr2(p)), None),
+                sweep)
             signal_while_starting(starting)
             held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
             os.kill(held[0]["pid"], signal.SIGUSR2)
             sweep.wait(timeout=400)
-        finally:
-            for pid in [sweep.pid, *job_processes(sweep_dir)] if sweep.poll() is None else []:
-                os.kill(pid, signal.SIGKILL)
+        finally:  # a failed test leaves nothing running
+            for pid in [sweep.pid, *processes_of(sweep_dir)] if sweep.poll() is None else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
     output = (tmp_path / "sweep.log").read_text()
     assert sweep.returncode == 0, output[-3000:]
     # The early signal requeued the job too, instead of killing it.

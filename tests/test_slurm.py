@@ -135,6 +135,11 @@ def test_a_three_job_sweep_is_one_array_with_its_report(sweeps):
         assert f"| {job} | +model.mode=" in report and f"| {status} |" in report
 
 
+def test_the_time_out_signal_comes_a_tenth_of_the_limit_early(sweeps):
+    script = next(sweeps["chaos"].folder.glob(".submitit/*/*_submission.sh")).read_text()
+    assert "#SBATCH --time=10\n" in script and "#SBATCH --signal=USR2@60\n" in script
+
+
 def test_a_cancelled_job_is_killed_and_the_sweep_goes_on(sweeps):
     chaos = sweeps["chaos"]
     assert chaos.returncode != 0

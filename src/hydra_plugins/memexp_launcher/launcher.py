@@ -86,8 +86,8 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             return super().__call__(sweep_overrides, job_dir_key, job_num, job_id,
                                     singleton_state)
         except timeout.OutOfRequeues as error:
-            # The run records this itself; where the signal came before the run began, or
-            # between its steps and its record, this records it.
+            # A run that has begun records this itself; one that came before (held back since
+            # the job started, or while Hydra set the job up) is recorded here.
             Singleton.set_state(singleton_state)
             record_killed(self._job_dir(sweep_overrides, job_num) / "result.json",
                           sweep_overrides, str(error), status="timeout")
