@@ -50,8 +50,11 @@ def sweeps_in(root: Path) -> dict[str, list[str]]:
                     f"+model.hold_dir={root / 'timeout-holds'}", "trainer.max_steps=6",
                     "trainer.checkpoint_every=1", "hydra.launcher.timeout_min=5",
                     "hydra.launcher.signal_delay_s=270", "hydra.launcher.max_num_timeout=1"],
+        # Last in the queue (nice): each job takes both CPUs, and 1-CPU jobs queued behind it
+        # could not start meanwhile.
         "parallel": ["model=mlp", "trainer.max_steps=3", "trainer.progress=false",
-                     "hydra.launcher.tasks_per_node=2", "parallel=ddp,fsdp"],
+                     "hydra.launcher.tasks_per_node=2", "parallel=ddp,fsdp",
+                     "+hydra.launcher.additional_parameters.nice=1000"],
         "no_partition": ["model=mlp", "hydra.launcher.partition=nope"],
         "no_time_limit": ["model=mlp", "hydra.launcher.timeout_min=0"],
         "too_big": ["model=mlp", "hydra.launcher.mem_gb=100000"],
@@ -112,11 +115,12 @@ def sweeps(tmp_path_factory) -> dict[str, Sweep]:
                     subprocess.run(["scancel", *ACTIONS[task], job], check=True, timeout=60)
                     acted.add(job)
             time.sleep(1)
-    finally:
-        for process in running.values():
-            if process.poll() is None:
-                process.kill()
-        subprocess.run(["scancel", f"--name={NAME}"], timeout=60)  # nothing left on the cluster
+    finally:  # a sweep that did not end in time leaves nothing behind, here or on the cluster
+        stuck = [process for process in running.values() if process.poll() is None]
+        for process in stuck:
+            process.kill()
+        if stuck:
+            subprocess.run(["scancel", f"--name={NAME}"], timeout=60)
     return {name: Sweep(root / name, process.wait(),
                         (root / f"{name}.log").read_text())
             for name, process in running.items()}

@@ -26,6 +26,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -112,6 +113,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
 
         from memexp.result import record_killed
 
+        wait(job)
         try:
             status = job.results()[0].status.name.lower()
         except UncompletedJobError as error:
@@ -132,6 +134,19 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         with open_dict(config.hydra.job):
             config.hydra.job.num = number
         return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
+
+
+def wait(job, state_every_s: float = 30) -> None:
+    """Until the job ends. A job that ends with a result is seen within a second; one that ends
+    without (cancelled, killed) only when its state is asked for, and submitit asks SLURM
+    (sacct) less and less often, every 10 minutes in the end. Here at least every
+    `state_every_s`: one sacct call for every job of the sweep."""
+    asked = time.monotonic()
+    while not job.done():
+        if time.monotonic() - asked > state_every_s:
+            job.done(force_check=True)
+            asked = time.monotonic()
+        time.sleep(1)
 
 
 class LocalLauncher(_SurvivingLauncher):
