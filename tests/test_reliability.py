@@ -18,6 +18,7 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from memexp import checkpoint
 from memexp.app import run_config
 from memexp.loggers import NoLogger
+from memexp.result import record_killed
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
 
 from chaos import holding
@@ -134,6 +135,15 @@ checkpoint.save(folder, 2, {{"weights": torch.arange(2000)}}, keep=2)
     assert any(p.name.endswith(".tmp") for p in tmp_path.iterdir())  # the half-written file
     path, state = checkpoint.load_newest(tmp_path)
     assert path.name == "step_00000001.pt" and torch.equal(state["weights"], torch.arange(1000))
+
+
+def test_a_time_out_with_no_requeue_left_replaces_the_requeued_record(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"status": "timeout", "error": "timed out: requeued"}))
+    record_killed(path, [], "timed out with no requeue left", status="timeout")
+    assert json.loads(path.read_text())["error"] == "timed out with no requeue left"
+    record_killed(path, [], "submitit saw no result")  # the launcher, after the job
+    assert json.loads(path.read_text())["status"] == "timeout"  # final: left alone
 
 
 def processes_of(sweep_dir: Path, *, running: str = "") -> list[int]:

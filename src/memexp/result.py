@@ -82,14 +82,16 @@ class RunRecord:
 def record_killed(path: Path, overrides: list[str], reason: str, status: str = "killed") -> None:
     """Record a job that ended without recording it: killed outright (SIGKILL, the host's OOM
     killer), or, with status "timeout", stopped at its time limit before it could record it.
-    It wrote at most its "running" record. A record already final is left alone (the end came
-    after it)."""
+    It wrote at most its "running" record (or, for "timeout", an earlier attempt's, requeued).
+    Any other record is final and left alone (the end came after it)."""
     payload = json.loads(path.read_text()) if path.exists() else {
         "techniques": {group: next((o.split("=", 1)[1] for o in overrides
                                     if o.startswith(f"{group}=")), None) for group in GROUPS},
         "overrides": overrides, "memory": None, "metrics": None, "started_at": None,
     }
-    if payload.get("status", "running") != "running":
+    # A requeued attempt's "timeout" is not final: the job went on.
+    replaceable = {"running", "timeout"} if status == "timeout" else {"running"}
+    if payload.get("status", "running") not in replaceable:
         return
     payload.update(status=status, error=reason, finished_at=now())
     write_json_atomic(path, payload)
