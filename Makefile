@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memexp-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run train test test-fast lint bench bench-techniques clean
+.PHONY: help install run train test test-fast lint bench bench-techniques slurm-up slurm-down clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -25,8 +25,11 @@ run: install ## the main job: a quick comparison sweep on the embedded defaults 
 train: install ## a single run with your overrides, e.g. make train ARGS='precision=fp32'
 	$(PY) train.py $(ARGS)
 
-test: install ## the whole test suite (what CI runs)
-	$(PY) -m pytest
+# The tests marked slurm run against a one-node SLURM cluster on this machine: `test` brings one up
+# where it can (root, Debian/Ubuntu, the package registry reachable), and stops what it started;
+# elsewhere it says why, and pytest skips those tests.
+test: install ## the whole test suite (what CI runs), with a local SLURM cluster where one can run
+	scripts/slurm-local with $(PY) -m pytest
 
 test-fast: install ## the tests not marked slow
 	$(PY) -m pytest -m "not slow"
@@ -39,6 +42,12 @@ bench: install ## the overhead benchmark against a hand-written loop (a few minu
 
 bench-techniques: install ## every technique against its baseline (about 20 minutes on 2 cores)
 	$(PY) bench/techniques.py
+
+slurm-up: ## a one-node SLURM cluster on this machine (root, Debian/Ubuntu; installs what is missing)
+	scripts/slurm-local up
+
+slurm-down: ## stop the daemons slurm-up started
+	scripts/slurm-local down
 
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

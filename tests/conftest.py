@@ -57,6 +57,14 @@ def train_py(tmp_path: Path, overrides: tuple[str, ...]) -> list[str]:
             *overrides]
 
 
+def submitit_log_lines(sweep_dir: Path, says: str) -> list[str]:
+    """The lines of the sweep's submitit job logs that say `says`, in submitit's own format
+    (once Hydra configured logging in a job, it repeats each of them in its own format)."""
+    return [line for path in sorted(sweep_dir.glob(".submitit/*/*_log.out"))
+            for line in path.read_text().splitlines()
+            if line.startswith("submitit ") and says in line]
+
+
 def train(*overrides: str, steps: int = 1):
     """A short run of the composed config: (the Trainer, with its meter, and the Metrics)."""
     from memexp.loggers import NoLogger

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -16,9 +18,11 @@ from hydra.errors import ConfigCompositionException, InstantiationException
 from memexp import checkpoint
 from memexp.app import run_config
 from memexp.loggers import NoLogger
+from memexp.result import record_killed
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
 
-from conftest import REPO, compose_train, train
+from chaos import holding
+from conftest import REPO, compose_train, submitit_log_lines, train
 
 CHAOS = ("model=custom", "model._target_=chaos.Chaos", "data.batch_size=8", "data.num_eval=64")
 
@@ -133,25 +137,106 @@ checkpoint.save(folder, 2, {{"weights": torch.arange(2000)}}, keep=2)
     assert path.name == "step_00000001.pt" and torch.equal(state["weights"], torch.arange(1000))
 
 
+def test_a_time_out_with_no_requeue_left_replaces_the_requeued_record(tmp_path):
+    path = tmp_path / "result.json"
+    path.write_text(json.dumps({"status": "timeout", "error": "timed out: requeued"}))
+    record_killed(path, [], "timed out with no requeue left", status="timeout")
+    assert json.loads(path.read_text())["error"] == "timed out with no requeue left"
+    record_killed(path, [], "submitit saw no result")  # the launcher, after the job
+    assert json.loads(path.read_text())["status"] == "timeout"  # final: left alone
+
+
+def processes_of(sweep_dir: Path, *, running: str = "") -> list[int]:
+    """The processes whose command line names the sweep folder (submitit's controller and the
+    job's tasks: `python -u -m hydra_plugins.memexp_launcher.job ... <sweep_dir>/.submitit/%j`),
+    those running the module `running` only, if given."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if running and running.encode() not in argv:
+            continue
+        if any(str(sweep_dir).encode() in arg for arg in argv):
+            found.append(int(proc.name))
+    return found
+
+
+def holds_back_usr2(pid: int) -> bool:
+    """The process blocks SIGUSR2 and has no handler for it yet (its /proc status masks)."""
+    masks = dict(line.split(":\t") for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                 if line.startswith(("SigBlk", "SigCgt")))
+    usr2 = 1 << (signal.SIGUSR2 - 1)
+    return bool(int(masks["SigBlk"], 16) & usr2) and not int(masks["SigCgt"], 16) & usr2
+
+
+def wait_for(what: str, found, sweep: subprocess.Popen, timeout_s: float = 300):
+    """Poll `found()` until it returns something true, while the sweep runs."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and sweep.poll() is None:
+        try:
+            if result := found():
+                return result
+        except OSError:  # a process that ended between two reads
+            pass
+        time.sleep(0.01)
+    raise AssertionError(f"never saw {what} (sweep exit code {sweep.poll()})")
+
+
+def signal_while_starting(pid: int) -> None:
+    """SIGUSR2 to a job that has not installed submitit's handler yet, frozen meanwhile (SIGSTOP),
+    so that it cannot install it between the check and the signal."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        while Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "T":
+            time.sleep(0.001)
+        assert holds_back_usr2(pid), "the job installed its handler before the signal"
+        os.kill(pid, signal.SIGUSR2)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.slow
 def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
-    """The Hydra path, for real: the job gets submitit's timeout signal, the launcher requeues
-    it, and the rerun continues from its last checkpoint (and the same wandb run)."""
-    overrides = ["trainer.max_steps=60", "trainer.checkpoint_every=5", "trainer.progress=false",
-                 "logger=wandb", "hydra.launcher.timeout_min=0.3",
-                 "hydra.launcher.signal_delay_s=5"]
+    """The Hydra path on submitit_local, for real. The job gets submitit's time-out signal twice,
+    each time when it cannot race it: while it is still starting, before submitit's handler
+    exists (held back until then: issue 12, #15), and while it waits for it at step 4, after a
+    checkpoint at step 3. Each time the launcher requeues it; the last run continues from step
+    3 (and the same wandb run) and repeats an uninterrupted one bitwise."""
+    sweep_dir, holds = tmp_path / "sweep", tmp_path / "holds"
+    overrides = [*CHAOS, "+model.mode=hold", f"+model.hold_dir={holds}", "trainer.max_steps=6",
+                 "trainer.checkpoint_every=3", "trainer.progress=false", "logger=wandb",
+                 "hydra.launcher.timeout_min=30"]  # no time-out but the two signals sent here
     env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={tmp_path}", *overrides],
-        capture_output=True, text=True, timeout=400, env=env, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "0" / "result.json").read_text())
-    assert result["status"] == "ok" and result["metrics"]["resumed_from"]
-    _, straight = train("memory.track=false", steps=60)
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    with open(tmp_path / "sweep.log", "w") as log, subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+             *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path) as sweep:
+        try:
+            job = "hydra_plugins.memexp_launcher.job"
+            starting = wait_for("a job holding back its time-out signal", lambda: next(
+                (p for p in processes_of(sweep_dir, running=job) if holds_back_usr2(p)), None),
+                sweep)
+            signal_while_starting(starting)
+            held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
+            os.kill(held[0]["pid"], signal.SIGUSR2)
+            sweep.wait(timeout=400)
+        finally:  # a failed test leaves nothing running
+            for pid in [sweep.pid, *processes_of(sweep_dir)] if sweep.poll() is None else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+    output = (tmp_path / "sweep.log").read_text()
+    assert sweep.returncode == 0, output[-3000:]
+    # The early signal requeued the job too, instead of killing it.
+    assert len(submitit_log_lines(sweep_dir, "Requeued job")) == 2
+    result = json.loads((sweep_dir / "0" / "result.json").read_text())
+    assert result["status"] == "ok" and result["metrics"]["resumed_from"] == [3]
+    _, straight = train(*CHAOS, "memory.track=false", steps=6)
     assert result["metrics"]["losses"] == straight.losses
     run_id = result["logger"]["wandb"]["run_id"]
-    attempts = list((tmp_path / "0" / "wandb").glob(f"offline-run-*-{run_id}"))
-    assert len(attempts) >= 2  # one wandb run, continued after the requeue
+    attempts = list((sweep_dir / "0" / "wandb").glob(f"offline-run-*-{run_id}"))
+    assert len(attempts) == 2  # one wandb run, continued after the requeue
 
 
 # -- bad input -----------------------------------------------------------------------------------

@@ -24,6 +24,7 @@ from memexp.loggers import NoLogger, RunInfo
 from memexp.result import (
     HALF_ON_CPU,
     RunRecord,
+    TimedOut,
     half_precision_on_cpu,
     record_killed,
     summary,
@@ -40,10 +41,11 @@ class Terminated(BaseException):
 
 
 def status_of(error: BaseException) -> str:
-    """How a run that raised ended: out of memory, diverged, stopped, or failed."""
+    """How a run that raised ended: out of memory, diverged, timed out, stopped, or failed."""
     if is_out_of_memory(error):
         return "oom"
-    statuses = {NonFiniteLoss: "nan", Terminated: "terminated", KeyboardInterrupt: "interrupted"}
+    statuses = {NonFiniteLoss: "nan", TimedOut: "timeout", Terminated: "terminated",
+                KeyboardInterrupt: "interrupted"}
     return next((s for kind, s in statuses.items() if isinstance(error, kind)), "failed")
 
 

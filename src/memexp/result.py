@@ -29,6 +29,13 @@ def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
+class TimedOut(BaseException):
+    """The run was stopped at its time limit by its scheduler (submitit's time-out signal): it
+    is requeued, or it had no requeue left. Recorded as status `timeout`, with this message
+    rather than a traceback of whatever code the signal interrupted. A BaseException: no
+    `except Exception` in the run swallows it."""
+
+
 def write_json_atomic(path: Path, payload: dict) -> None:
     with atomic_file(path) as f:
         json.dump(finite(payload), f, indent=2, default=str, allow_nan=False)
@@ -135,6 +142,8 @@ class RunRecord:
                error: BaseException | str | None = None) -> None:
         """`error`: the exception, or a traceback already formatted (another rank's)."""
         self.payload.update(status=status, memory=memory, metrics=metrics, finished_at=now())
+        if isinstance(error, TimedOut):
+            error = str(error)
         if error is not None:
             self.payload["error"] = (error if isinstance(error, str)
                                      else "".join(traceback.format_exception(error)))
@@ -145,17 +154,21 @@ class RunRecord:
             write_json_atomic(self.path, self.payload)
 
 
-def record_killed(path: Path, overrides: list[str], reason: str) -> None:
-    """Record a job killed outright (SIGKILL, the host's OOM killer): it wrote at most its
-    "running" record. A record already final is left alone (the kill came after it)."""
+def record_killed(path: Path, overrides: list[str], reason: str, status: str = "killed") -> None:
+    """Record a job that ended without recording it: killed outright (SIGKILL, the host's OOM
+    killer), or, with status "timeout", stopped at its time limit before it could record it.
+    It wrote at most its "running" record (or, for "timeout", an earlier attempt's, requeued).
+    Any other record is final and left alone (the end came after it)."""
     payload = json.loads(path.read_text()) if path.exists() else {
         "techniques": {group: next((o.split("=", 1)[1] for o in overrides
                                     if o.startswith(f"{group}=")), None) for group in GROUPS},
         "overrides": overrides, "memory": None, "metrics": None, "started_at": None,
     }
-    if payload.get("status", "running") != "running":
+    # A requeued attempt's "timeout" is not final: the job went on.
+    replaceable = {"running", "timeout"} if status == "timeout" else {"running"}
+    if payload.get("status", "running") not in replaceable:
         return
-    payload.update(status="killed", error=reason, finished_at=now())
+    payload.update(status=status, error=reason, finished_at=now())
     write_json_atomic(path, payload)
 
 

@@ -27,6 +27,13 @@ class MemexpSlurmConf(SlurmQueueConf):
     _target_: str = "hydra_plugins.memexp_launcher.launcher.SlurmLauncher"
     # how many array tasks run at once (SLURM's array parallelism); 1 runs them one by one
     parallel_jobs: int = 1
+    # how many times a job may be requeued after a time-out (or a preemption), to continue from
+    # its newest checkpoint (see trainer.checkpoint_every); submitit_slurm's 0 never requeues
+    max_num_timeout: int = 3
+    # seconds before the time limit at which the time-out signal comes; unset: a tenth of
+    # timeout_min, from 30 to 120 s (submitit_slurm's fixed 120 s took 2 minutes off every
+    # attempt of a short job). SLURM sends it at its 30-second tick: up to 30 s earlier.
+    signal_delay_s: int | None = None
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="memexp_local",

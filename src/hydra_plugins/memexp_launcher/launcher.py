@@ -5,15 +5,28 @@ failure: the rest of the sweep never runs, and a killed job (SIGKILL, the host's
 aborts it with submitit's UncompletedJobError, discarding the finished results. Here:
 
 - jobs run `parallel_jobs` at a time (local: in chunks; SLURM: one array, throttled);
-- a job that never produced a result is recorded as `killed` in its own result.json;
+- a job that never produced a result is recorded as `killed` in its own result.json (as
+  `timeout` where SLURM stopped it at its time limit);
 - the sweeper gets a completed return for every job, so the sweep goes on and the end-of-sweep
   report runs. Each job's truth is its result.json; the report says which jobs did not
   succeed, and the sweep exits non-zero when any did not.
+
+Time limits (`timeout_min`): near it a job gets submitit's time-out signal; submitit's handler
+asks this launcher for a checkpoint (the same Hydra job, which resumes from its newest
+checkpoint with trainer.resume=auto), requeues it, up to `max_num_timeout` times, and exits.
+memexp adds two things (see `job` and `timeout`): the signal is held back from the job's first
+line until that handler is installed, so an early one requeues instead of killing; and what the
+handler raises is recorded as status `timeout`, not as a traceback of the code it interrupted.
 """
 
 from __future__ import annotations
 
 import logging
+import shlex
+import shutil
+import subprocess
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +40,8 @@ log = logging.getLogger(__name__)
 
 # Keys that are this launcher's own, or submitit's executor-construction arguments.
 NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism"}
+# submitit's <python> for every job: the job module holds the time-out signal back first.
+JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
 
 
 class _SurvivingLauncher(BaseSubmititLauncher):
@@ -35,6 +50,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         import submitit
 
+        self._refuse_bad_input()
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
         sweep_dir.mkdir(parents=True, exist_ok=True)
         executor = self._executor(submitit)
@@ -47,23 +63,45 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             chunk = jobs[first:first + max(width, 1)]
             arguments = [(overrides, "hydra.sweep.dir", number, f"job_id_for_{number}",
                           Singleton.get_state()) for overrides, number in chunk]
-            submitted = executor.map_array(self, *zip(*arguments, strict=True))
+            submitted = self._submit(executor, arguments)
             returns += [self._outcome(job, overrides, number)
                         for job, (overrides, number) in zip(submitted, chunk, strict=True)]
         return returns
 
-    def __call__(self, *args, **kwargs):
+    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
+                 singleton_state: dict) -> JobReturn:
         """One task of a submitted job. With hydra.launcher.tasks_per_node=N each task is a rank
         of the run: submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE,
         MASTER_ADDR and MASTER_PORT (and one GPU per task) for parallel=ddp|zero1|fsdp."""
         import submitit
+        from submitit.core.utils import UncompletedJobError
+
+        from hydra_plugins.memexp_launcher import timeout
+        from memexp.result import record_killed
 
         if submitit.JobEnvironment().num_tasks > 1:
             submitit.helpers.TorchDistributedEnvironment().export()
-        return super().__call__(*args, **kwargs)
+        try:
+            # A signal held back since the job started is handled here, before the run starts.
+            timeout.take_over(self.params["timeout_min"], self.params["max_num_timeout"])
+            return super().__call__(sweep_overrides, job_dir_key, job_num, job_id,
+                                    singleton_state)
+        except timeout.OutOfRequeues as error:
+            # A run that has begun records this itself; one that came before (held back since
+            # the job started, or while Hydra set the job up) is recorded here.
+            Singleton.set_state(singleton_state)
+            record_killed(self._job_dir(sweep_overrides, job_num) / "result.json",
+                          sweep_overrides, str(error), status="timeout")
+            raise UncompletedJobError(str(error)) from None  # how submitit's own handler ends
+
+    def _refuse_bad_input(self) -> None:
+        """Stop the sweep, before anything is submitted, on input that cannot work."""
 
     def _executor(self, submitit):
         raise NotImplementedError
+
+    def _submit(self, executor, arguments: list[tuple]) -> list:
+        return executor.map_array(self, *zip(*arguments, strict=True))
 
     def _job_parameters(self) -> dict[str, Any]:
         """The job's resources; unset (None) ones are left to submitit's defaults."""
@@ -75,14 +113,17 @@ class _SurvivingLauncher(BaseSubmititLauncher):
 
         from memexp.result import record_killed
 
+        wait(job)
         try:
             status = job.results()[0].status.name.lower()
         except UncompletedJobError as error:
-            status = "killed"
+            # SLURM's own TIMEOUT: its time limit came before the job could requeue or record.
+            status = "timeout" if job.state == "TIMEOUT" else "killed"
             stderr = (job.stderr() or "").strip().splitlines()[-20:]
             record_killed(self._job_dir(overrides, number) / "result.json", overrides,
-                          f"{error}\n" + "\n".join(stderr))
-            log.error(f"job #{number} was killed before it finished; the sweep goes on")
+                          f"{error}\n" + "\n".join(stderr), status=status)
+            log.error(f"job #{number} ended ({job.state}) before it could record a result; "
+                      "its result.json says how; the sweep goes on")
         outcome = JobReturn(overrides=overrides, status=JobStatus.COMPLETED)
         outcome.return_value = status
         return outcome
@@ -95,6 +136,19 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
 
 
+def wait(job, state_every_s: float = 30) -> None:
+    """Until the job ends. A job that ends with a result is seen within a second; one that ends
+    without (cancelled, killed) only when its state is asked for, and submitit asks SLURM
+    (sacct) less and less often, every 10 minutes in the end. Here at least every
+    `state_every_s`: one sacct call for every job of the sweep."""
+    asked = time.monotonic()
+    while not job.done():
+        if time.monotonic() - asked > state_every_s:
+            job.done(force_check=True)
+            asked = time.monotonic()
+        time.sleep(1)
+
+
 class LocalLauncher(_SurvivingLauncher):
     _EXECUTOR = "local"
 
@@ -102,7 +156,8 @@ class LocalLauncher(_SurvivingLauncher):
         # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a
         # minute for timeout_min, and signal_delay_s.
         executor = submitit.LocalExecutor(folder=self.params["submitit_folder"],
-                                          max_num_timeout=self.params["max_num_timeout"])
+                                          max_num_timeout=self.params["max_num_timeout"],
+                                          python=JOB_PYTHON)
         parameters = self._job_parameters()
         # submitit_local hides every GPU (CUDA_VISIBLE_DEVICES="") unless gpus_per_node is set,
         # and trainer.device=auto would then quietly train on CPU. Give each job one GPU where
@@ -116,17 +171,66 @@ class LocalLauncher(_SurvivingLauncher):
         return executor
 
 
+def signal_delay(timeout_min: int) -> int:
+    """The default seconds between the time-out signal and the time limit: a tenth of the
+    limit, from 30 s to 120 s. The job needs only seconds to requeue (the work since its newest
+    checkpoint is lost either way), and SLURM sends the signal at its scheduler's 30-second
+    tick, so 0 to 30 s before this."""
+    return min(120, max(30, timeout_min * 6))
+
+
 class SlurmLauncher(_SurvivingLauncher):
     _EXECUTOR = "slurm"
     _CHUNKED = False  # one array; SLURM throttles it
 
+    def _refuse_bad_input(self) -> None:
+        missing = [c for c in ("sbatch", "sacct", "sinfo") if shutil.which(c) is None]
+        if missing:
+            raise SystemExit(f"memexp: hydra/launcher=slurm needs SLURM's commands on this "
+                             f"machine; {', '.join(missing)} not found. A one-node cluster on "
+                             "this machine: make slurm-up (see the README)")
+        timeout_min, delay = self.params["timeout_min"], self.params["signal_delay_s"]
+        if timeout_min < 1:
+            raise SystemExit(f"memexp: hydra.launcher.timeout_min={timeout_min}: must be a "
+                             "number of minutes >= 1 (SLURM reads 0 as no time limit at all)")
+        if delay is not None and not 0 < delay < 60 * timeout_min:
+            raise SystemExit(f"memexp: hydra.launcher.signal_delay_s={delay}: the time-out "
+                             "signal must come after the job starts and before its time limit "
+                             f"(hydra.launcher.timeout_min={timeout_min}): 0 < signal_delay_s "
+                             f"< {60 * timeout_min}")
+        if self.params["max_num_timeout"] < 0:
+            raise SystemExit(f"memexp: hydra.launcher.max_num_timeout="
+                             f"{self.params['max_num_timeout']}: must be >= 0 (requeues after "
+                             "a time-out)")
+        partition = self.params["partition"]
+        if partition is not None:
+            listed = subprocess.run(["sinfo", "-h", "-o", "%R"], capture_output=True,
+                                    text=True, timeout=60)
+            partitions = sorted(set(listed.stdout.split()))
+            if listed.returncode == 0 and partition not in partitions:
+                raise SystemExit(f"memexp: hydra.launcher.partition={partition}: no such SLURM "
+                                 f"partition here; choose one of: {', '.join(partitions)}")
+
     def _executor(self, submitit):
         executor = submitit.AutoExecutor(cluster="slurm", folder=self.params["submitit_folder"],
-                                         slurm_max_num_timeout=self.params["max_num_timeout"])
+                                         slurm_max_num_timeout=self.params["max_num_timeout"],
+                                         slurm_python=JOB_PYTHON)
+        parameters = self._job_parameters()
+        parameters.setdefault("signal_delay_s", signal_delay(self.params["timeout_min"]))
         shared = set(OmegaConf.structured(BaseQueueConf).keys())
         executor.update_parameters(
             **{key if key in shared else f"slurm_{key}": value
-               for key, value in self._job_parameters().items()},
+               for key, value in parameters.items()},
             slurm_array_parallelism=self.params["parallel_jobs"],
         )
         return executor
+
+    def _submit(self, executor, arguments: list[tuple]) -> list:
+        from submitit.core.utils import FailedJobError
+
+        try:
+            return super()._submit(executor, arguments)
+        except FailedJobError as error:  # sbatch said no: nothing was submitted
+            said = " ".join(str(error).split())
+            raise SystemExit(f"memexp: SLURM refused the sweep, and nothing was submitted. "
+                             f"sbatch said: {said}") from None

@@ -1,0 +1,48 @@
+"""The first lines a submitit job runs: its time-out signal is held back until submitit can
+handle it.
+
+submitit starts each task as `<python> -u -m submitit.core._submit FOLDER`, and installs its
+handler of the time-out signal (SIGUSR2, or what SUBMITIT_PREEMPT_SIGNAL names) only after the
+job's imports and its pickle are loaded: seconds, and many more under load. A signal in that
+window ended the process (SIGUSR2's default action) or, on submitit_local, left it to be
+interrupted at the time limit, instead of requeuing it. memexp's launchers give submitit
+`python -u -m hydra_plugins.memexp_launcher.job` as its <python>; this module blocks the signal
+before anything else is imported, then runs submitit's entry point. A signal that comes early
+waits, pending, until the launcher installed its handler and calls `let_in()` (in the job's
+first call). Imports here stay minimal: they run before the signal is held back.
+"""
+
+import os
+import signal
+import sys
+
+
+def timeout_signal() -> signal.Signals:
+    """submitit's time-out and preemption signal."""
+    return signal.Signals["SIG" + os.environ.get("SUBMITIT_PREEMPT_SIGNAL", "USR2")]
+
+
+def hold_back() -> None:
+    signal.pthread_sigmask(signal.SIG_BLOCK, {timeout_signal()})
+
+
+def let_in() -> None:
+    """Unblock the signal: one that came while it was held back is handled now."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {timeout_signal()})
+
+
+def main(argv: list[str]) -> None:
+    # Threads started from here on inherit the blocked signal; let_in() unblocks it in the main
+    # thread, the one where Python runs signal handlers.
+    hold_back()
+    if argv[:3] != ["-u", "-m", "submitit.core._submit"] or len(argv) != 4:
+        raise SystemExit(f"usage: python -m {__spec__.name} -u -m submitit.core._submit FOLDER "
+                         f"(submitit appends these); got {argv}")
+    import runpy
+
+    sys.argv = [argv[2], argv[3]]
+    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
