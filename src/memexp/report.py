@@ -123,7 +123,18 @@ def describe_rows(rows: list[Row]) -> None:
     varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
     for row, overrides in zip(rows, parsed, strict=True):
         row.label = " ".join(f"{k}={overrides[k]}" for k in varying if k in overrides) or "-"
-        row.workload = tuple((k, overrides.get(k)) for k in varying if not is_technique_key(k))
+        row.workload = tuple((k, samples_per_step(row, overrides.get(k)) if k == "data.batch_size"
+                              else overrides.get(k)) for k in varying if not is_technique_key(k))
+
+
+def samples_per_step(row: Row, batch_size: str | None) -> int | str | None:
+    """The batch of a whole optimizer step: accumulating 4 micro-batches of 4 is the workload of
+    one batch of 16, so those two rows are compared (`batch_size` where the config is missing)."""
+    config = row.result.get("config") or {}
+    try:
+        return config["data"]["batch_size"] * config["optim"]["accumulate"]
+    except (KeyError, TypeError):
+        return batch_size
 
 
 def baseline(rows: list[Row]) -> Row | None:

@@ -36,25 +36,28 @@ def machine_cpu_ticks() -> tuple[int, int] | None:
     return sum(fields) - fields[3] - fields[4], sum(fields)
 
 
-def own_cpu_seconds() -> float:
-    """CPU time this process has used, all its threads."""
+def own_cpu_seconds(children: bool = False) -> float:
+    """CPU time this process has used, all its threads (and its children that have ended)."""
     times = os.times()
-    return times.user + times.system
+    own = times.user + times.system
+    return own + times.children_user + times.children_system if children else own
 
 
 @dataclass
 class MachineLoad:
-    """How much of the machine other processes used from `start()` on."""
+    """How much of the machine other processes used from `start()` on; `children`: this
+    process's child processes count as its own."""
 
+    children: bool = False
     _ticks: tuple[int, int] | None = None
     _own: float = 0.0
 
     def start(self) -> None:
-        self._ticks, self._own = machine_cpu_ticks(), own_cpu_seconds()
+        self._ticks, self._own = machine_cpu_ticks(), own_cpu_seconds(self.children)
 
     def own_cpu(self) -> float:
         """This process's CPU seconds since `start()`."""
-        return own_cpu_seconds() - self._own
+        return own_cpu_seconds(self.children) - self._own
 
     def others_share(self, ours: float) -> float | None:
         """The share of the machine's CPU time since `start()` that did not go to `ours` (CPU

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import random
@@ -240,13 +241,15 @@ class Trainer:
         return total
 
     @torch.inference_mode()
-    def evaluate(self) -> float:
+    def evaluate(self, batches: int | None = None) -> float:
+        """Accuracy over the eval set (its first `batches` batches)."""
         self.model.eval()
         # Counts stay on the device until the end: no host sync per batch.
         correct = torch.zeros((), device=self.device, dtype=torch.long)
         count = 0
         with self.meter.phase("eval"), self.precision.autocast():
-            for batch in self.data.eval_batches(self.parallel.rank, self.parallel.world_size):
+            for batch in itertools.islice(
+                    self.data.eval_batches(self.parallel.rank, self.parallel.world_size), batches):
                 inputs, targets = self.to_device(batch)
                 correct += (self.model(inputs).argmax(-1) == targets).sum()
                 count += targets.numel()
@@ -319,7 +322,9 @@ class Trainer:
         evaluation too if none ran yet (its accuracy is not the run's), then turn the tracker
         off, so that the steps after run at full speed for their step time."""
         if not evaluated:
-            self.evaluate()
+            # Two batches: the second is fetched while the first is still referenced, and every
+            # later one repeats that (the last may be smaller), so their peak is the eval's.
+            self.evaluate(batches=2)
             self.release_cached_memory("eval")
         self.meter.pause()
 

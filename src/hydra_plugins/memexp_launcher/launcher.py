@@ -14,6 +14,7 @@ aborts it with submitit's UncompletedJobError, discarding the finished results. 
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +66,9 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def _executor(self, submitit):
         raise NotImplementedError
 
+    def _wait(self, job) -> None:
+        """Until `job` has ended; submitit's own wait looks every second."""
+
     def _job_parameters(self) -> dict[str, Any]:
         """The job's resources; unset (None) ones are left to submitit's defaults."""
         return {k: v for k, v in self.params.items()
@@ -76,6 +80,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         from memexp.result import record_killed
 
         try:
+            self._wait(job)
             status = job.results()[0].status.name.lower()
         except UncompletedJobError as error:
             status = "killed"
@@ -114,6 +119,12 @@ class LocalLauncher(_SurvivingLauncher):
             parameters["gpus_per_node"] = 1
         executor.update_parameters(**parameters)
         return executor
+
+    def _wait(self, job) -> None:
+        # A local job's end is its process's exit, cheap to check often; submitit's once a
+        # second costs half a second per job on average.
+        while not job.done():
+            time.sleep(0.02)
 
 
 class SlurmLauncher(_SurvivingLauncher):

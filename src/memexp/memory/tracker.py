@@ -174,13 +174,25 @@ class LiveStorageTracker(TorchDispatchMode):
         self._changed: dict[_Storage, tuple[int, str | None]] = {}
 
     # -- recording ---------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo guard, a microsecond per op. The
+        # meter runs everything under it eagerly (set_stance("force_eager")): nothing compiles.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):  # most ops: no need to flatten
-            self.track(out)
-        elif out is not None:
-            leaves, _ = tree_flatten(out)
-            self.track(*(leaf for leaf in leaves if isinstance(leaf, torch.Tensor)))
+        if isinstance(out, torch.Tensor):  # most ops: one tensor, no need to flatten
+            grew = self._track_tensor(out)
+        elif out is None:
+            grew = False
+        else:
+            grew = False
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    grew |= self._track_tensor(leaf)
+        if grew:
+            self._maybe_peak()
         if self.timeline is not None:
             self.timeline.record(self.phase, self.current, self.activations_current,
                                  self.grads_current, self.host_current)
@@ -190,10 +202,22 @@ class LiveStorageTracker(TorchDispatchMode):
         """Record the storages of `tensors` (safe to call on tensors already tracked)."""
         grew = False
         for tensor in tensors:
-            for storage in tensor_storages(tensor):
-                grew |= self._record(storage)
+            grew |= self._track_tensor(tensor)
         if grew:
             self._maybe_peak()
+
+    def _track_tensor(self, tensor: torch.Tensor) -> bool:
+        """Record `tensor`'s storages; True if device memory grew."""
+        if not _is_wrapper(type(tensor)):  # the common case, without building a list
+            try:
+                storage = tensor.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+                return False
+            return self._record(storage)
+        grew = False
+        for storage in tensor_storages(tensor):
+            grew |= self._record(storage)
+        return grew
 
     def _record(self, storage: torch.UntypedStorage) -> bool:
         key = id(storage)
@@ -212,8 +236,8 @@ class LiveStorageTracker(TorchDispatchMode):
             return change > 0 and not known.host
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
         self._clock += 1
-        record = _Storage(None, nbytes, phase, _host_depth > 0, requested=nbytes,
-                          born=self._clock)
+        # positional: a third faster than keywords, on a path every allocation takes
+        record = _Storage(None, nbytes, phase, _host_depth > 0, False, nbytes, self._clock)
         if self.allocator is not None and not record.host:
             nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
         if not record.host and self.budget is not None and self.current + nbytes > self.budget:
