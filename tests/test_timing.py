@@ -10,9 +10,10 @@ import time
 
 import pytest
 import torch
+from test_report import rows_of
 
 from memexp.memory import LiveStorageTracker
-from memexp.report import Row, add_ratios, describe_rows, pick
+from memexp.report import pick
 from memexp.timing import MachineLoad, step_timing
 
 from conftest import train
@@ -102,13 +103,6 @@ def result(overrides: list[str], step: float, spread: float = 0.01, peak: int | 
             "memory": {"peak_bytes": peak * MIB if peak else None, "tracked": peak is not None},
             "metrics": {"step_time_s": step, "throughput": batch / step,
                         "throughput_unit": "samples/s", "eval_accuracy": 0.5, "timing": timing}}
-
-
-def rows_of(*results: dict) -> list[Row]:
-    rows = [Row(str(i), r) for i, r in enumerate(results)]
-    describe_rows(rows)
-    add_ratios(rows)
-    return rows
 
 
 def test_time_ratios_come_from_untracked_steps_even_without_tracking():

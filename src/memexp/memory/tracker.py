@@ -73,9 +73,16 @@ def recomputing():
 ROLE_RANK = {"params": 0, "grads": 1, "optimizer": 2}
 
 
+class _Ref(weakref.ref):
+    """A weak reference to a storage that knows the storage's key: its callback is then the
+    tracker's own bound method, not a closure made for every allocation."""
+
+    __slots__ = ("key",)
+
+
 @dataclass(slots=True, eq=False)
 class _Storage:
-    ref: weakref.ref | None
+    ref: _Ref | None
     nbytes: int
     phase: str
     host: bool
@@ -163,6 +170,7 @@ class LiveStorageTracker(TorchDispatchMode):
         # Device activations alive when a forward pass ends: what autograd keeps for backward.
         self.saved_activations = 0
         self.peaks: dict[str, PhasePeak] = {}
+        self._on_free = self._free  # one bound method for every weak reference
         # roles may have changed since they were last looked up (a new phase began)
         self._stale = True
         # The current phase's newest peak, not classified yet: its time on the clock, the
@@ -182,7 +190,14 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if isinstance(out, torch.Tensor):  # most ops: one tensor, no need to flatten
+        if _WRAPPER_TYPES.get(type(out)) is False:  # most ops: one plain tensor, inlined
+            try:
+                storage = out.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+                grew = False
+            else:
+                grew = self._record(storage)
+        elif isinstance(out, torch.Tensor):
             grew = self._track_tensor(out)
         elif out is None:
             grew = False
@@ -242,7 +257,8 @@ class LiveStorageTracker(TorchDispatchMode):
             nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
         if not record.host and self.budget is not None and self.current + nbytes > self.budget:
             self._out_of_budget(nbytes)
-        record.ref = weakref.ref(storage, lambda _, key=key: self._free(key))
+        record.ref = _Ref(storage, self._on_free)
+        record.ref.key = key
         self._live[key] = record
         self._add(record, nbytes)
         return not record.host
@@ -256,7 +272,8 @@ class LiveStorageTracker(TorchDispatchMode):
             f"with {self.current / 2**20:.2f} MiB of live tensors; the emulated device holds "
             f"{self.budget / 2**20:.2f} MiB")
 
-    def _free(self, key: int) -> None:
+    def _free(self, ref: _Ref) -> None:
+        key = ref.key
         record = self._live.pop(key, None)
         if self.allocator is not None:
             self.allocator.free(key)
