@@ -5,8 +5,10 @@ real run of the same config (three steps, the live-storage tracker), their peak 
 ratio. Part 2: wall time of `estimate()` for 125M, 1B and 7B-parameter GPT configs
 (experiment=gpt_125m|gpt_1b|gpt_7b), each `--repeats` times, median reported. Part 3: how that
 time grows with depth: the 7B config (d_model 4096) at 8, 16, 32 and 64 layers, and a 70B-sized
-one (d_model 8192, 80 layers), the configs interleaved in each of `--repeats` rounds; medians,
-the growth per doubling, and the share of the machine other processes took meanwhile.
+one (d_model 8192, 80 layers), the configs interleaved in each of `--repeats` rounds; medians of
+wall and of CPU time (the estimate is single-threaded Python, so on an idle machine the two agree;
+on a busy one CPU time is what the estimate itself cost), the growth per doubling, and the share
+of the machine other processes took meanwhile.
 
     python bench/estimate.py [--repeats 3] [--skip-accuracy] [--skip-scale] [--skip-layers]
 
@@ -96,27 +98,30 @@ def layers(repeats: int) -> None:
     configs = {name: compose_config(["experiment=gpt_7b", "precision=bf16", "trainer.device=cpu",
                                      *overrides]) for name, overrides in DEPTHS.items()}
     estimate(compose_config(["model=mlp", "trainer.device=cpu"]))  # imports and caches warm
-    times: dict[str, list[float]] = {name: [] for name in configs}
+    wall: dict[str, list[float]] = {name: [] for name in configs}
+    cpu: dict[str, list[float]] = {name: [] for name in configs}
     parameters: dict[str, int] = {}
     load = MachineLoad()
     load.start()
     for _ in range(repeats):
         for name, cfg in configs.items():
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.process_time()
             parameters[name] = estimate(cfg).parameters
-            times[name].append(time.perf_counter() - started)
+            wall[name].append(time.perf_counter() - started)
+            cpu[name].append(time.process_time() - cpu_started)
     print(f"\nother processes' share of the machine meanwhile: "
           f"{load.others_share(load.own_cpu()):.0%}")
-    print("| config (experiment=gpt_7b precision=bf16) | parameters | estimate s (median) "
-          "| runs | x the previous (layers doubled) |")
-    print("|---|---:|---:|---|---:|")
+    print("| config (experiment=gpt_7b precision=bf16) | parameters | wall s (median) | CPU s "
+          "(median) | x the previous, wall / CPU (layers doubled) |")
+    print("|---|---:|---:|---:|---:|")
     previous = None
-    for name, values in times.items():
-        median = statistics.median(values)
-        growth = f"{median / previous:.2f}" if previous and "80" not in name else "-"
-        print(f"| {name} | {parameters[name] / 1e9:,.1f}B | {median:.1f} | "
-              f"{', '.join(f'{v:.1f}' for v in values)} | {growth} |", flush=True)
-        previous = median
+    for name in configs:
+        now = statistics.median(wall[name]), statistics.median(cpu[name])
+        growth = (f"{now[0] / previous[0]:.2f} / {now[1] / previous[1]:.2f}"
+                  if previous and "80" not in name else "-")
+        print(f"| {name} | {parameters[name] / 1e9:,.1f}B | {now[0]:.1f} | {now[1]:.1f} | "
+              f"{growth} |", flush=True)
+        previous = now
 
 
 def main() -> None:

@@ -161,9 +161,9 @@ def add_time_ratio(row: Row, base: Row) -> None:
     mine, theirs = row.step_time, base.step_time
     row.step_time_ratio = mine.median / theirs.median
     row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
-    busy = [r.job for r in (row, base) if r.step_time.busy]
+    busy = sorted({r.job for r in (row, base) if r.step_time.busy})
     if busy:
-        row.time_doubt = f"the machine was busy during job {' and '.join(dict.fromkeys(busy))}"
+        row.time_doubt = f"the machine was busy during {jobs(busy)}"
     elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
         row.time_doubt = "its spread overlaps 1.0"
 
@@ -225,17 +225,24 @@ def fastest(fitting: list[Row], rows: list[Row]) -> tuple[Row | None, str | None
     time, a busy machine, or a runner-up within its spread."""
     untimed = [row.job for row in fitting if speed_range(row, rows) is None]
     if untimed:
-        return None, f"job {', '.join(untimed)} has no step time taken with the tracker off"
+        return None, f"{jobs(untimed)}: no step time taken with the tracker off"
     ranked = sorted(fitting, key=lambda r: speed(r, rows), reverse=True)
     first, others = ranked[0], ranked[1:]
     busy = [row.job for row in ranked if row.step_time.busy]
     if others and busy:  # a busy job may be faster than it looked
-        return None, f"the machine was busy during job {', '.join(busy)}"
+        return None, f"the machine was busy during {jobs(busy)}"
     close = [row.job for row in others
              if speed_range(first, rows)[0] <= speed_range(row, rows)[2]]
     if close:
-        return None, f"job {', '.join(close)} is within job {first.job}'s timing spread"
+        return None, f"{jobs(close)} within job {first.job}'s timing spread"
     return first, None
+
+
+def jobs(names: list[str]) -> str:
+    """'job 3', 'jobs 1 and 3', 'jobs 1, 2 and 3'."""
+    if len(names) == 1:
+        return f"job {names[0]}"
+    return f"jobs {', '.join(names[:-1])} and {names[-1]}"
 
 
 # -- writing -------------------------------------------------------------------------------------
@@ -287,9 +294,9 @@ def time_notes(rows: list[Row]) -> list[str]:
              for row in rows if row.time_doubt]
     untimed = [row.job for row in rows if row.ok and row.step_time is None]
     if untimed:
-        notes.append(f"- job {', '.join(untimed)}: no step time x base: every step ran under the "
-                     "storage tracker (no more steps than memory.measure_steps), which slows "
-                     "steps by their number of ops")
+        notes.append(f"- {jobs(untimed)}: no step time x base: every step ran under the storage "
+                     "tracker (no more steps than memory.measure_steps), which slows steps by "
+                     "their number of ops")
     return notes
 
 
