@@ -6,7 +6,7 @@ time, over the number of jobs: starting the job's processes and importing (torch
 Hydra's per-job set-up, noticing the job ended, and the sweep's own start and report, shared
 out. The gap between one job's end and the next one's start is printed too: the per-job part
 alone. The sweep runs --repeats times; the share of the machine other processes took during
-each is printed.
+each is printed, and the last sweep's report (the table `make run` ends with).
 
     python bench/sweep_overhead.py [--repeats 3] [overrides ...]
 
@@ -50,7 +50,8 @@ def sweep(folder: Path, overrides: list[str]) -> dict:
                       datetime.fromisoformat(record["finished_at"])))
     jobs = sum((end - start).total_seconds() for start, end in spans)
     gaps = [(b[0] - a[1]).total_seconds() for a, b in itertools.pairwise(spans)]
-    return {"wall": wall, "jobs": len(spans), "job_time": jobs,
+    return {"report": (folder / "report.md").read_text(), "wall": wall, "jobs": len(spans),
+            "job_time": jobs,
             "per_job": (wall - jobs) / len(spans), "gap": statistics.median(gaps),
             "others": load.others_share(load.own_cpu())}
 
@@ -73,6 +74,7 @@ def main() -> None:
               f"{r['per_job']:.2f} | {r['gap']:.2f} | {r['others']:.0%} |", flush=True)
     per_job = statistics.median(r["per_job"] for r in results)
     print(f"\nper-job overhead, median of {args.repeats}: {per_job:.2f} s (target <= 2.0 s)")
+    print(f"\nThe last sweep's report.md:\n\n{results[-1]['report']}")
 
 
 if __name__ == "__main__":
