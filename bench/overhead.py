@@ -1,21 +1,32 @@
-"""memexp's trainer against a hand-written PyTorch loop: speed, peak memory, and the math.
+"""memexp's trainer against a hand-written PyTorch loop, with the storage tracker off and on.
 
 Same model class and arguments, batch, seed and data order, on CPU, fp32 SGD.
 
-- The math: both train N steps from the same seed; the final weights must be bitwise equal.
 - Speed: CPU wall time here drifts by 15% between identical runs even on a quiet machine (and by
-  more than 4x on a busy one), so whole runs cannot resolve a 2% difference. Instead the two
-  loops run side by side in one process, each with its own model, optimizer and data stream, and
-  their steps are interleaved one by one (the order alternating): memexp's step is
-  `Trainer.train_step`, the real step its `fit()` runs. The figure is the ratio of the median
-  step times. Whole `fit()` runs against whole plain runs, interleaved in pairs, are reported
-  beside it with their spread.
-- Peak memory: both loops under the same live-storage tracker.
+  more than 4x on a busy one), so four loops run side by side in one process, each with its own
+  model, optimizer and data stream, and their steps are interleaved one by one, the order
+  rotating each round:
+    plain            the loop anyone would write;
+    plain+tracker    the same, under a LiveStorageTracker;
+    memexp           Trainer.train_step (the step fit() runs) with memory.track=false;
+    memexp+tracker   the same step with the meter's tracker on (a measured step).
+  Each ratio is taken round by round (two steps run next to each other) and given as the median
+  and interquartile range over the rounds. The tracker's cost per op is the difference of the
+  median step times over the ops a step dispatches.
+- Whole runs: fit() with the defaults (memory measured on memory.measure_steps steps, the rest
+  untracked) against fit() with memory.track=false, interleaved in pairs.
+- The math: memexp and the plain loop train N steps from the same seed; the final weights must
+  be bitwise equal.
+- Peak memory: memexp's measured peak against the plain loop's under the same tracker.
+- Load: the share of the machine's CPU time other processes took while the steps ran
+  (/proc/stat), and the CPU model.
 
-    python bench/overhead.py [--steps 60] [--runs 4] [overrides ...]
+    python bench/overhead.py [--model resnet|transformer|mlp] [--steps 40] [--runs 4]
+                             [overrides ...]
 
-Targets: steps/s ratio >= 0.98 with tracking off; peak tracked tensor memory no higher than the
-plain loop's; final weights bitwise equal.
+Targets: the tracker costs <= 1.10x a step while tracking (resnet, transformer); memexp's
+steps/s >= 0.98x the plain loop's with tracking off; peak memory no higher than the plain
+loop's; final weights bitwise equal.
 """
 
 from __future__ import annotations
@@ -29,20 +40,24 @@ import torch
 import torch.nn.functional as F
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
+from machine import describe_machine
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from memexp.config import config_dir
 from memexp.data import TensorData
 from memexp.loggers import NoLogger
 from memexp.memory import LiveStorageTracker
+from memexp.timing import MachineLoad, quartiles
 from memexp.trainer import Trainer
 
 MIB = 2**20
+MODELS = {"resnet": ["model=resnet"], "transformer": ["model=transformer"], "mlp": ["model=mlp"]}
 
 
 def compose_cfg(overrides: list[str]):
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose("train", overrides=["trainer.device=cpu", "trainer.progress=false",
-                                           *overrides])
+                                           "logger=none", *overrides])
 
 
 class PlainLoop:
@@ -61,8 +76,9 @@ class PlainLoop:
             generator = torch.Generator().manual_seed(data.seed * 1_000_003 + epoch)
             self.order = torch.randperm(len(data.train), generator=generator)
         index = self.order[i * batch : (i + 1) * batch]
-        logits = self.model(data.train.inputs.index_select(0, index))
-        loss = F.cross_entropy(logits, data.train.targets.index_select(0, index))
+        logits = self.model(data.decode(data.train.inputs.index_select(0, index)))
+        targets = data.train.targets.index_select(0, index)
+        loss = F.cross_entropy(logits.flatten(0, -2), targets.flatten())
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -75,7 +91,7 @@ class PlainLoop:
         with torch.inference_mode():
             for first in range(0, count, size):
                 index = torch.arange(first, min(first + size, count))
-                logits = self.model(self.data.eval.inputs.index_select(0, index))
+                logits = self.model(self.data.decode(self.data.eval.inputs.index_select(0, index)))
                 hits = logits.argmax(-1) == self.data.eval.targets.index_select(0, index)
                 correct += hits.sum().item()
         self.model.train()
@@ -94,6 +110,16 @@ class PlainLoop:
         return time.perf_counter() - started
 
 
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
 def memexp_fit(cfg) -> tuple[Trainer, float]:
     trainer = Trainer(cfg)
     started = time.perf_counter()
@@ -101,35 +127,75 @@ def memexp_fit(cfg) -> tuple[Trainer, float]:
     return trainer, time.perf_counter() - started
 
 
-def interleaved_steps(cfg, data: TensorData, steps: int) -> tuple[list[float], list[float]]:
-    """Step times of memexp's train_step and the plain step, taken alternately."""
-    trainer, plain = Trainer(cfg), PlainLoop(cfg, data)
-    batches = trainer.data.train_batches()
-    trainer.model.train()
-    sides = {"memexp": lambda: trainer.train_step(batches), "plain": plain.step}
-    times: dict[str, list[float]] = {"memexp": [], "plain": []}
-    for i in range(steps + 2):  # two warm-up pairs
-        for side in ("memexp", "plain") if i % 2 == 0 else ("plain", "memexp"):
+def interleaved_steps(untracked, tracked, data: TensorData, rounds: int):
+    """Step times of the four sides, one step each per round (two warm-up rounds), the order
+    rotating; and the ops one memexp step dispatches."""
+    ours, measured = Trainer(untracked), Trainer(tracked)
+    plain, plain_measured = PlainLoop(untracked, data), PlainLoop(untracked, data)
+    tracker = LiveStorageTracker()
+    tracker.track(*plain_measured.model.parameters(), *plain_measured.model.buffers())
+    streams = {trainer: trainer.data.train_batches() for trainer in (ours, measured)}
+    for trainer in (ours, measured):
+        trainer.model.train()
+
+    def memexp_step(trainer):
+        batches = streams[trainer]
+        with trainer.meter:  # the tracker on for `measured`, nothing for `ours`
             started = time.perf_counter()
-            sides[side]()
+            trainer.train_step(batches)
+            return time.perf_counter() - started
+
+    def plain_step(loop, mode):
+        with mode:
+            started = time.perf_counter()
+            loop.step()
+            return time.perf_counter() - started
+
+    sides = {
+        "plain": lambda: plain_step(plain, nullcontext()),
+        "plain+tracker": lambda: plain_step(plain_measured, tracker),
+        "memexp": lambda: memexp_step(ours),
+        "memexp+tracker": lambda: memexp_step(measured),
+    }
+    names = list(sides)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    load = MachineLoad()
+    for i in range(rounds + 2):
+        if i == 2:
+            load.start()
+        for name in names[i % 4:] + names[:i % 4]:
+            seconds = sides[name]()
             if i >= 2:
-                times[side].append(time.perf_counter() - started)
-    return times["memexp"], times["plain"]
+                times[name].append(seconds)
+    others = load.others_share(load.own_cpu())
+    counter = OpCounter()
+    with counter:
+        ours.train_step(streams[ours])
+    return times, counter.ops, others
+
+
+def paired(times, top: str, bottom: str) -> tuple[float, float, float]:
+    """(q1, median, q3) of the round-by-round ratio top / bottom."""
+    return quartiles([a / b for a, b in zip(times[top], times[bottom], strict=True)])
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawTextHelpFormatter)
-    parser.add_argument("--steps", type=int, default=60, help="steps per side")
+    parser.add_argument("--model", choices=MODELS, default="resnet")
+    parser.add_argument("--steps", type=int, default=40, help="interleaved rounds, and steps "
+                        "of each whole run")
     parser.add_argument("--runs", type=int, default=4, help="whole-run pairs")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
-    base = [f"trainer.max_steps={args.steps}", "optim=sgd", *args.overrides]
+    base = [*MODELS[args.model], f"trainer.max_steps={args.steps}", "optim=sgd", *args.overrides]
     untracked = compose_cfg([*base, "memory.track=false"])
     tracked = compose_cfg([*base, "memory.track=true"])
     data: TensorData = instantiate(untracked.data)
-    print(f"model={untracked.model._target_} batch={data.batch_size} steps={args.steps} "
-          f"runs={args.runs} threads={torch.get_num_threads()} torch={torch.__version__}")
+    print(describe_machine())
+    print(f"model={args.model} ({untracked.model._target_}) batch={data.batch_size} "
+          f"rounds={args.steps} runs={args.runs} threads={torch.get_num_threads()} "
+          f"torch={torch.__version__} overrides={' '.join(args.overrides) or '-'}")
 
     # 1. The math: final weights after N fp32 steps.
     trainer, _ = memexp_fit(untracked)
@@ -138,51 +204,65 @@ def main() -> None:
     ours = trainer.model.state_dict()
     bitwise = all(torch.equal(ours[k], v) for k, v in plain.model.state_dict().items())
 
-    # 2. Speed with tracking off: steps interleaved one by one.
-    ours_steps, plain_steps = interleaved_steps(untracked, data, args.steps)
-    ours_step, plain_step = statistics.median(ours_steps), statistics.median(plain_steps)
-    ratio = plain_step / ours_step  # memexp's steps/s over the plain loop's
+    # 2. Steps of the four sides, interleaved one by one.
+    times, ops, others = interleaved_steps(untracked, tracked, data, args.steps)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    cost = paired(times, "memexp+tracker", "memexp")
+    overhead = paired(times, "memexp", "plain")
+    per_op = (median["memexp+tracker"] - median["memexp"]) / ops
 
-    # 3. Whole runs, eval included, interleaved in pairs (the order alternating).
-    wall: dict[str, list[float]] = {"memexp": [], "plain": []}
+    # 3. Whole runs with the default measure_steps against track=false, interleaved in pairs.
+    wall: dict[str, list[float]] = {"default": [], "untracked": []}
+    load = MachineLoad()
+    load.start()
     for run in range(args.runs):
-        for side in ("memexp", "plain") if run % 2 == 0 else ("plain", "memexp"):
-            seconds = (memexp_fit(untracked)[1] if side == "memexp"
-                       else PlainLoop(untracked, data).run(args.steps))
-            wall[side].append(seconds)
-    wall_pairs = [p / m for p, m in zip(wall["plain"], wall["memexp"], strict=True)]
-    wall_ratio = statistics.median(wall["plain"]) / statistics.median(wall["memexp"])
+        for side in ("default", "untracked") if run % 2 == 0 else ("untracked", "default"):
+            wall[side].append(memexp_fit(tracked if side == "default" else untracked)[1])
+    run_others = load.others_share(load.own_cpu())
+    wall_ratio = quartiles([a / b for a, b in zip(wall["default"], wall["untracked"],
+                                                   strict=True)])
 
     # 4. Peak tracked tensor memory, both under the same live-storage tracker.
-    trainer, tracked_seconds = memexp_fit(tracked)
+    trainer, _ = memexp_fit(tracked)
     peak_ours = trainer.meter.report()["peak_bytes"]
     tracker = LiveStorageTracker()
-    plain_tracked_seconds = PlainLoop(tracked, data).run(args.steps, tracker)
+    PlainLoop(tracked, data).run(args.steps, tracker)
     peak_plain = max(p.peak_bytes for p in tracker.peaks.values())
 
+    def spread(q):
+        return f"{q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})"
+
+    print(f"\nops per memexp step: {ops}; other processes' share of the machine: "
+          f"{others:.0%} during the steps, {run_others:.0%} during the whole runs")
+    print("\n| side | median step time | x memexp (tracker off) |\n|---|---|---|")
+    for name in times:
+        print(f"| {name} | {median[name] * 1e3:.2f} ms | {spread(paired(times, name, 'memexp'))} |")
     rows = [
-        (f"steps/s, tracking off ({args.steps} steps each, interleaved one by one)",
-         f"{1 / ours_step:.2f}", f"{1 / plain_step:.2f}", f"ratio {ratio:.3f}"),
-        ("median step time", f"{ours_step * 1e3:.3f} ms", f"{plain_step * 1e3:.3f} ms",
-         f"{(ours_step - plain_step) * 1e6:+.0f} us per step"),
-        (f"whole runs, eval included ({args.runs} interleaved pairs)",
-         f"{statistics.median(wall['memexp']):.2f} s", f"{statistics.median(wall['plain']):.2f} s",
-         f"ratio {wall_ratio:.3f} (pairs {min(wall_pairs):.3f}..{max(wall_pairs):.3f})"),
-        ("peak tracked tensor memory", f"{peak_ours / MIB:.2f} MiB", f"{peak_plain / MIB:.2f} MiB",
-         f"{(peak_ours - peak_plain) / MIB:+.2f} MiB"),
-        (f"final weights after {args.steps} fp32 steps", "", "",
+        ("tracker cost while tracking: memexp+tracker / memexp", spread(cost)),
+        ("tracker cost on the plain loop: plain+tracker / plain",
+         spread(paired(times, "plain+tracker", "plain"))),
+        ("framework, tracker off: memexp / plain", spread(overhead)),
+        ("framework, tracker on: memexp+tracker / plain+tracker",
+         spread(paired(times, "memexp+tracker", "plain+tracker"))),
+        ("tracker cost per op", f"{per_op * 1e6:.1f} us ({ops} ops per step)"),
+        (f"whole runs of {args.steps} steps + eval, default (memory.measure_steps="
+         f"{tracked.memory.measure_steps}) / track=false ({args.runs} pairs)", spread(wall_ratio)),
+        ("peak tracked tensor memory, memexp vs plain",
+         f"{peak_ours / MIB:.2f} vs {peak_plain / MIB:.2f} MiB "
+         f"({(peak_ours - peak_plain) / MIB:+.2f})"),
+        (f"final weights after {args.steps} fp32 steps",
          "bitwise equal" if bitwise else "DIFFERENT"),
-        ("steps/s with memory.track=true (one run each)", f"{args.steps / tracked_seconds:.2f}",
-         f"{args.steps / plain_tracked_seconds:.2f} (same tracker)", ""),
     ]
-    print("\n| measure | memexp | plain loop | result |\n|---|---|---|---|")
+    print("\n| measure | result |\n|---|---|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
     checks = {
-        "steps/s ratio >= 0.98 (tracking off)": ratio >= 0.98,
+        "steps/s ratio >= 0.98 (tracking off)": 1 / overhead[1] >= 0.98,
         "peak memory <= plain loop": peak_ours <= peak_plain,
         "final weights bitwise equal": bitwise,
     }
+    if args.model != "mlp":
+        checks["tracker cost <= 1.10x while tracking"] = cost[1] <= 1.10
     print()
     for name, ok in checks.items():
         print(f"{'PASS' if ok else 'FAIL'}  {name}")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from hydra import compose, initialize_config_dir
+from machine import describe_machine
 
 from memexp.config import config_dir
 from memexp.trainer import Trainer
@@ -207,7 +208,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, CPU")
+    print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
         print(table(model, args.rounds))

@@ -89,6 +89,10 @@ class MemoryConfig:
     snapshot: bool = False
     # the most events a snapshot keeps (CUDA allocator history entries, CPU timeline points)
     snapshot_max_entries: int = 100_000
+    # memory is measured on this many first steps (and one evaluation), with the tracker on; the
+    # steps after them run without it and give the step time. null: every step (memory.budget
+    # and memory.snapshot on CPU always measure every step)
+    measure_steps: Optional[int] = 10  # noqa: UP045 (OmegaConf needs Optional)
 
 
 @dataclass

@@ -9,6 +9,11 @@ Ratios compare techniques on the same workload: rows whose varying overrides dif
 technique settings (the technique groups and their keys, model.inplace, memory.*) share a
 baseline, the first that succeeded with the baseline option of precision, checkpointing and
 bn_mode (the classes' `baseline` attribute: fp32, none, train), else their first successful row.
+Memory ratios need measured peaks; time ratios need step times taken with the storage tracker off
+(memexp.timing), so a run with memory.track=false has one and a run too short to have untracked
+steps has none. A time ratio is uncertain when the two runs' interquartile ranges leave it on
+either side of 1.0, or when other processes were busy on the machine during either run; the
+fastest config that fits a budget is never named on one.
 """
 
 from __future__ import annotations
@@ -57,6 +62,10 @@ class Row:
     workload: tuple = ()
     memory_ratio: float | None = None
     step_time_ratio: float | None = None
+    # the ratio's range from the interquartile ranges: (row's q1 / base's q3, q3 / q1)
+    step_time_range: tuple[float, float] | None = None
+    # why the time ratio cannot be trusted, if it cannot
+    time_doubt: str | None = None
 
     @property
     def status(self) -> str:
@@ -82,6 +91,27 @@ class Row:
     @property
     def ok(self) -> bool:
         return self.status == "ok" and self.peak is not None
+
+    @property
+    def step_time(self) -> StepTime | None:
+        """The step time taken with the tracker off, with its spread; None if there is none."""
+        timing = self.metrics.get("timing")
+        if self.status != "ok" or not self.metrics.get("step_time_s"):
+            return None
+        if timing is None:  # written before memexp.timing: untracked only with track=false
+            median = self.metrics["step_time_s"]
+            return None if self.memory.get("tracked") else StepTime(median, median, median)
+        if timing["tracked"]:
+            return None
+        return StepTime(timing["step_time_s"], *timing["step_time_iqr_s"], busy=timing["busy"])
+
+
+@dataclass
+class StepTime:
+    median: float
+    q1: float
+    q3: float
+    busy: bool = False  # other processes took more than memexp.timing.BUSY_SHARE of the machine
 
 
 def job_folders(sweep_dir: Path) -> list[Path]:
@@ -134,7 +164,18 @@ def describe_rows(rows: list[Row]) -> None:
     varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
     for row, overrides in zip(rows, parsed, strict=True):
         row.label = " ".join(f"{k}={overrides[k]}" for k in varying if k in overrides) or "-"
-        row.workload = tuple((k, overrides.get(k)) for k in varying if not is_technique_key(k))
+        row.workload = tuple((k, samples_per_step(row, overrides.get(k)) if k == "data.batch_size"
+                              else overrides.get(k)) for k in varying if not is_technique_key(k))
+
+
+def samples_per_step(row: Row, batch_size: str | None) -> int | str | None:
+    """The batch of a whole optimizer step: accumulating 4 micro-batches of 4 is the workload of
+    one batch of 16, so those two rows are compared (`batch_size` where the config is missing)."""
+    config = row.result.get("config") or {}
+    try:
+        return config["data"]["batch_size"] * config["optim"]["accumulate"]
+    except (KeyError, TypeError):
+        return batch_size
 
 
 def is_baseline(config: dict) -> bool:
@@ -142,17 +183,34 @@ def is_baseline(config: dict) -> bool:
     return all(get_class(config[group]["_target_"]).baseline for group in BASELINE_GROUPS)
 
 
+def baseline(rows: list[Row]) -> Row | None:
+    """The row the others of a workload are compared with."""
+    return next((row for row in rows if is_baseline(row.result["config"])),
+                rows[0] if rows else None)
+
+
 def add_ratios(rows: list[Row]) -> None:
     for workload in {row.workload for row in rows}:
-        mine = [row for row in rows if row.workload == workload and row.ok]
-        if not mine:
-            continue
-        base = next((row for row in mine if is_baseline(row.result["config"])), mine[0])
-        for row in mine:
-            row.memory_ratio = row.peak / base.peak
-            step, base_step = row.metrics.get("step_time_s"), base.metrics.get("step_time_s")
-            if step and base_step:
-                row.step_time_ratio = step / base_step
+        mine = [row for row in rows if row.workload == workload]
+        measured = [row for row in mine if row.ok]
+        if base := baseline(measured):
+            for row in measured:
+                row.memory_ratio = row.peak / base.peak
+        timed = [row for row in mine if row.step_time is not None]
+        if base := baseline(timed):
+            for row in timed:
+                add_time_ratio(row, base)
+
+
+def add_time_ratio(row: Row, base: Row) -> None:
+    mine, theirs = row.step_time, base.step_time
+    row.step_time_ratio = mine.median / theirs.median
+    row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
+    busy = sorted({r.job for r in (row, base) if r.step_time.busy})
+    if busy:
+        row.time_doubt = f"the machine was busy during {jobs(busy)}"
+    elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
+        row.time_doubt = "its spread overlaps 1.0"
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[int]:
@@ -171,30 +229,71 @@ class BudgetPick:
     budget: int
     fitting: list[Row] = field(default_factory=list)
     fastest: Row | None = None
+    # why no fastest is named although configs fit
+    fastest_doubt: str | None = None
     most_accurate: Row | None = None
 
 
-def speed(row: Row, rows: list[Row]) -> float:
-    """Throughput where the sweep has one unit; otherwise speed against the row's baseline."""
+def speed_range(row: Row, rows: list[Row]) -> tuple[float, float, float] | None:
+    """(low, median, high) speed of an untracked step: throughput where the sweep has one
+    unit, otherwise speed against the row's baseline; None without an untracked step time."""
+    time = row.step_time
     units = {r.metrics.get("throughput_unit") for r in rows if r.ok}
+    if time is None:
+        return None
     if len(units) == 1:
-        return row.metrics.get("throughput") or 0.0
-    return 1 / row.step_time_ratio if row.step_time_ratio else 0.0
+        items = row.metrics["throughput"] * time.median  # per step
+        return items / time.q3, items / time.median, items / time.q1
+    if row.step_time_ratio is None:
+        return None
+    low, high = row.step_time_range
+    return 1 / high, 1 / row.step_time_ratio, 1 / low
+
+
+def speed(row: Row, rows: list[Row]) -> float | None:
+    found = speed_range(row, rows)
+    return found[1] if found else None
 
 
 def pick(rows: list[Row], budget: int) -> BudgetPick:
     fitting = [row for row in rows if row.ok and row.device_peak <= budget]
     choice = BudgetPick(budget, fitting)
     if fitting:
-        choice.fastest = max(fitting, key=lambda r: speed(r, rows))
+        choice.fastest, choice.fastest_doubt = fastest(fitting, rows)
         scored = [r for r in fitting if r.metrics.get("eval_accuracy") is not None]
         choice.most_accurate = max(scored, key=lambda r: r.metrics["eval_accuracy"], default=None)
     return choice
 
 
+def fastest(fitting: list[Row], rows: list[Row]) -> tuple[Row | None, str | None]:
+    """The fastest of `fitting`, or why none can be named: a config without an untracked step
+    time, a busy machine, or a runner-up within its spread."""
+    untimed = [row.job for row in fitting if speed_range(row, rows) is None]
+    if untimed:
+        return None, f"{jobs(untimed)}: no step time taken with the tracker off"
+    ranked = sorted(fitting, key=lambda r: speed(r, rows), reverse=True)
+    first, others = ranked[0], ranked[1:]
+    busy = [row.job for row in ranked if row.step_time.busy]
+    if others and busy:  # a busy job may be faster than it looked
+        return None, f"the machine was busy during {jobs(busy)}"
+    close = [row.job for row in others
+             if speed_range(first, rows)[0] <= speed_range(row, rows)[2]]
+    if close:
+        return None, f"{jobs(close)} within job {first.job}'s timing spread"
+    return first, None
+
+
+def jobs(names: list[str]) -> str:
+    """'job 3', 'jobs 1 and 3', 'jobs 1, 2 and 3'."""
+    if len(names) == 1:
+        return f"job {names[0]}"
+    return f"jobs {', '.join(names[:-1])} and {names[-1]}"
+
+
 # -- writing -------------------------------------------------------------------------------------
 COLUMNS = ["job", "config", "status", *GROUPS, "peak_mib",
            *[f"{c}_mib" for c in CATEGORY_ORDER], "memory_x_base", "step_time_x_base",
+           "step_time_x_base_low", "step_time_x_base_high", "step_time_doubt",
            "throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s", "error"]
 
 
@@ -207,7 +306,9 @@ def csv_record(row: Row) -> dict:
               **{f"{c}_mib": breakdown[c] / MIB if c in breakdown else None
                  for c in CATEGORY_ORDER},
               "memory_x_base": row.memory_ratio, "step_time_x_base": row.step_time_ratio,
-              "error": error_line(error) if error else None}
+              "step_time_x_base_low": row.step_time_range and row.step_time_range[0],
+              "step_time_x_base_high": row.step_time_range and row.step_time_range[1],
+              "step_time_doubt": row.time_doubt, "error": error_line(error) if error else None}
     for key in ("throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s"):
         record[key] = row.metrics.get(key)
     return record
@@ -225,6 +326,31 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def time_ratio_cell(row: Row) -> str:
+    """The ratio, its range from the interquartile ranges, and `?` where it is uncertain."""
+    if row.step_time_ratio is None:
+        return "-"
+    low, high = row.step_time_range
+    return f"{row.step_time_ratio:.2f}{'?' if row.time_doubt else ''} ({low:.2f}-{high:.2f})"
+
+
+TIME_LEGEND = ("Step time x base: the median step time, taken with the storage tracker off, over "
+               "the baseline's; in brackets the range their interquartile ranges allow; `?` "
+               "marks an uncertain ratio.")
+
+
+def time_notes(rows: list[Row]) -> list[str]:
+    """Under the table: which time ratios are uncertain and why, and why some are missing."""
+    notes = [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
+             for row in rows if row.time_doubt]
+    untimed = [row.job for row in rows if row.ok and row.step_time is None]
+    if untimed:
+        notes.append(f"- {jobs(untimed)}: no step time x base: every step ran under the storage "
+                     "tracker (no more steps than memory.measure_steps), which slows steps by "
+                     "their number of ops")
+    return notes
+
+
 def markdown_table(rows: list[Row]) -> str:
     lines = ["| job | config | status | peak MiB | params | grads | optimizer | activations "
              "| other | memory x base | step time x base | throughput | eval acc | final loss |",
@@ -238,7 +364,7 @@ def markdown_table(rows: list[Row]) -> str:
             f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | "
             f"{fmt(r['peak_mib'], 1)} | "
             + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:5])
-            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])}{mark} | {throughput} | "
+            + f" | {fmt(r['memory_x_base'])} | {time_ratio_cell(row)}{mark} | {throughput} | "
             f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
     if any(half_precision_on_cpu(row.result) for row in rows):
         lines += ["", f"{HALF_MARK} {HALF_ON_CPU}."]
@@ -251,6 +377,8 @@ def budget_lines(choice: BudgetPick, rows: list[Row]) -> list[str]:
     if choice.fastest is not None:
         lines.append(f"- fastest that fits: job {choice.fastest.job} ({choice.fastest.label}), "
                      f"peak {mib(choice.fastest.device_peak)}")
+    elif choice.fastest_doubt is not None:
+        lines.append(f"- fastest that fits: not named: {choice.fastest_doubt}")
     if choice.most_accurate is not None:
         accuracy = choice.most_accurate.metrics["eval_accuracy"]
         lines.append(f"- most accurate that fits: job {choice.most_accurate.job} "
@@ -298,6 +426,10 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
     lines = [f"# Sweep {sweep_dir.name}", "", f"{len(rows)} jobs: " + ", ".join(
         f"{sum(r.status == s for r in rows)} {s}" for s in sorted({r.status for r in rows})),
         "", table, ""]
+    if any(row.step_time_ratio is not None for row in rows):
+        lines += [TIME_LEGEND, ""]
+    if notes := time_notes(rows):
+        lines += [*notes, ""]
     if skipped:
         lines += ["## Skipped: result.json files that are not usable records of these jobs", "",
                   *[f"- {cell(why)}" for why in skipped], ""]
@@ -324,6 +456,8 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
 def describe(report: Report) -> str:
     """What a user sees in the terminal at the end of a sweep."""
     lines = [report.table, ""]
+    if notes := time_notes(report.rows):
+        lines += [*notes, ""]
     lines += [f"skipped {why}" for why in report.skipped]
     if report.budget is not None:
         lines += [*budget_lines(report.budget, report.rows), ""]

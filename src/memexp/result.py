@@ -205,6 +205,17 @@ def mib(nbytes: int | None) -> str:
     return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
 
 
+def timed(metrics: dict) -> str:
+    """How the step time was taken (memexp.timing), for the summary."""
+    timing = metrics.get("timing")
+    if not timing:
+        return ""
+    q1, q3 = (t * 1000 for t in timing["step_time_iqr_s"])
+    how = "under the storage tracker" if timing["tracked"] else "tracker off"
+    busy = ", machine busy" if timing["busy"] else ""
+    return f" ({how}, IQR {q1:.1f}-{q3:.1f} ms{busy})"
+
+
 def summary(result: dict, run_dir: Path | str) -> str:
     """A few lines for the end of a run: peak memory and its breakdown, speed, accuracy."""
     techniques = " ".join(f"{k}={v}" for k, v in result["techniques"].items() if k != "blocks")
@@ -239,8 +250,8 @@ def summary(result: dict, run_dir: Path | str) -> str:
     metrics = result.get("metrics")
     if metrics and metrics.get("throughput"):
         lines.append(f"  throughput   {metrics['throughput']:.1f} {metrics['throughput_unit']}, "
-                     f"median step {metrics['step_time_s'] * 1000:.1f} ms")
-    elif metrics and metrics.get("steps") and metrics.get("timed_steps") == 0:
+                     f"median step {metrics['step_time_s'] * 1000:.1f} ms{timed(metrics)}")
+    elif metrics and metrics.get("timing") and not metrics["timing"]["timed_steps"]:
         lines.append(f"  throughput   not measured: all {metrics['steps']} steps were warm-up "
                      "(trainer.warmup_steps)")
     if metrics and metrics.get("final_loss") is not None:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import itertools
 import logging
 import math
 import random
-import statistics
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -30,6 +30,7 @@ from memexp.memory.sizes import parse_size
 from memexp.prechecks import FirstForward, check_signature
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination
+from memexp.timing import MachineLoad, step_timing
 
 log = logging.getLogger("memexp")
 
@@ -127,7 +128,7 @@ def first_steps(cfg: DictConfig) -> DictConfig:
     with open_dict(short):
         short.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
                              progress=False)
-        short.memory.snapshot = False
+        short.memory.update(snapshot=False, measure_steps=None)
     return short
 
 
@@ -144,6 +145,10 @@ def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
 class Metrics:
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
+    # steps run under the storage tracker (memory measured, time slowed), and the share of the
+    # machine other processes took while the others ran (memexp.timing)
+    measured_steps: list[int] = field(default_factory=list)
+    others_cpu_share: float | None = None
     eval_accuracy: float | None = None
     # steps the GradScaler skipped (inf/NaN gradients), and steps with a non-finite loss
     skipped_steps: int = 0
@@ -202,7 +207,8 @@ class Trainer:
             self.device, track=cfg.memory.track, budget=memory_budget(cfg.memory),
             snapshot_to=snapshot_folder(cfg.memory, run_dir),
             snapshot_entries=cfg.memory.snapshot_max_entries,
-            warmup_steps=cfg.trainer.warmup_steps, allocator=allocator)
+            warmup_steps=cfg.trainer.warmup_steps, allocator=allocator,
+            measure_steps=cfg.memory.measure_steps)
         with self.parallel.offloaded():
             self.meter.watch(self.parallel.watched(self.model))
         # 6. The optimizer last, over the parameters as they now are (or their master copies);
@@ -262,13 +268,15 @@ class Trainer:
         return total
 
     @torch.inference_mode()
-    def evaluate(self) -> float | None:
-        """Accuracy on the eval set; None where the loss has no notion of it (regression)."""
+    def evaluate(self, batches: int | None = None) -> float | None:
+        """Accuracy over the eval set (its first `batches` batches); None where the loss has no
+        notion of it (regression)."""
         self.model.eval()
         # (correct, counted) stays on the device until the end: no host sync per batch.
         totals = torch.zeros(2, device=self.device, dtype=torch.long)
         with self.meter.phase("eval"), self.precision.autocast():
-            for batch in self.data.eval_batches(self.parallel.rank, self.parallel.world_size):
+            for batch in itertools.islice(
+                    self.data.eval_batches(self.parallel.rank, self.parallel.world_size), batches):
                 batch = self.to_device(batch)
                 hits = self.loss.hits(self.forward(batch), batch)
                 if hits is not None:
@@ -291,13 +299,16 @@ class Trainer:
         # tqdm: hidden off a terminal (disable=None), and until the run is a few seconds old.
         bar = tqdm(total=max_steps, initial=start, disable=None if trainer.progress else True,
                    delay=3, unit="step", leave=False)
-        out_of_memory = None
+        out_of_memory, load, evaluated = None, MachineLoad(), False
         try:
             with self.meter, bar:
+                load.start()
                 for step in range(start + 1, max_steps + 1):
+                    measured = self.meter.tracking
                     started = time.perf_counter()
                     loss = self.train_step(batches)
                     metrics.step_times.append(time.perf_counter() - started)
+                    metrics.measured_steps += [step] if measured else []
                     metrics.losses.append(loss)
                     if metrics.bad_steps >= max_bad_steps:
                         raise NonFiniteLoss(
@@ -310,11 +321,16 @@ class Trainer:
                     if last or (eval_every and step % eval_every == 0):
                         metrics.eval_accuracy = self.evaluate()
                         self.release_cached_memory("eval")
+                        evaluated |= measured
                     if last or step % log_every == 0:
                         bar.set_postfix(loss=f"{loss:.3f}")
                         logger.log(step, self.step_metrics())
                     if checkpoint_every and (last or step % checkpoint_every == 0):
                         self.save_checkpoint(step)
+                    if measured and not last and step - start == self.meter.measure_steps:
+                        self.stop_measuring(evaluated)
+                        load.start()  # what the timed steps shared the machine with
+            metrics.others_cpu_share = load.others_share(sum(self.parallel.gather(load.own_cpu())))
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -328,6 +344,17 @@ class Trainer:
             self.free_cached_memory()
             raise out_of_memory
         return metrics
+
+    def stop_measuring(self, evaluated: bool) -> None:
+        """Memory has been measured on the first steps (memory.measure_steps): measure an
+        evaluation too if none ran yet (its accuracy is not the run's), then turn the tracker
+        off, so that the steps after run at full speed for their step time."""
+        if not evaluated:
+            # Two batches: the second is fetched while the first is still referenced, and every
+            # later one repeats that (the last may be smaller), so their peak is the eval's.
+            self.evaluate(batches=2)
+            self.release_cached_memory("eval")
+        self.meter.pause()
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -391,9 +418,10 @@ class Trainer:
     def summary_metrics(self) -> dict:
         """The `metrics` section of result.json (also of a run that stopped early)."""
         metrics = self.metrics
-        # Warm-up steps are never timed: a run of warm-up only has no step time, not a wrong one.
-        timed = metrics.step_times[self.cfg.trainer.warmup_steps:]
-        step_time = statistics.median(timed) if timed else None
+        timing = step_timing(metrics.step_times, metrics.measured_steps,
+                             self.cfg.trainer.warmup_steps,
+                             metrics.others_cpu_share) if metrics.step_times else None
+        step_time = timing["step_time_s"] if timing else None
         items = (self.data.batch_size * self.optim.accumulate * self.parallel.world_size
                  * self.data.items_per_sample)
         last = metrics.losses[-10:]
@@ -403,8 +431,8 @@ class Trainer:
             "throughput": items / step_time if step_time else None,
             "throughput_unit": f"{self.data.unit}/s",
             "step_time_s": step_time,
+            "timing": timing,
             "steps": len(metrics.losses),
-            "timed_steps": len(timed),
             "skipped_steps": metrics.skipped_steps,
             "bad_steps": metrics.bad_steps,
             "resumed_from": metrics.resumed_from,

@@ -103,6 +103,10 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def _submit(self, executor, arguments: list[tuple]) -> list:
         return executor.map_array(self, *zip(*arguments, strict=True))
 
+    def _wait(self, job) -> None:
+        """Until `job` has ended (memexp_launcher.launcher.wait)."""
+        wait(job)
+
     def _job_parameters(self) -> dict[str, Any]:
         """The job's resources; unset (None) ones are left to submitit's defaults."""
         return {k: v for k, v in self.params.items()
@@ -113,7 +117,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
 
         from memexp.result import record_killed
 
-        wait(job)
+        self._wait(job)
         try:
             status = job.results()[0].status.name.lower()
         except UncompletedJobError as error:
@@ -169,6 +173,12 @@ class LocalLauncher(_SurvivingLauncher):
             parameters["gpus_per_node"] = 1
         executor.update_parameters(**parameters)
         return executor
+
+    def _wait(self, job) -> None:
+        # A local job's end is its process's exit, cheap to check often; submitit's once a
+        # second costs half a second per job on average.
+        while not job.done():
+            time.sleep(0.02)
 
 
 def signal_delay(timeout_min: int) -> int:

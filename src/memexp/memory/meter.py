@@ -14,7 +14,7 @@ The category breakdown always comes from the tracker (the allocator knows sizes,
 from __future__ import annotations
 
 import itertools
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from pathlib import Path
 
 import torch
@@ -80,12 +80,38 @@ def find_leak(live_after_steps: list[int], warmup_steps: int) -> dict | None:
             "from_step": first + 1}
 
 
+class SwapsParameters(nn.Module):
+    """Base of a watched module whose parameters are replaced while it runs (FSDP sets each
+    unit's gathered parameters in place of the sharded ones, and back): the meter looks their
+    roles up again at every new peak, instead of once per phase."""
+
+
+class _Phase:
+    """`meter.phase(name)`: a class rather than a generator, since it runs four times a step."""
+
+    __slots__ = ("meter", "name")
+
+    def __init__(self, meter: MemoryMeter, name: str):
+        self.meter, self.name = meter, name
+
+    def __enter__(self) -> None:
+        self.meter._switch(self.name)
+
+    def __exit__(self, *exc) -> None:
+        self.meter._switch(IDLE)
+
+
 class MemoryMeter:
     """Use as a context around the training loop; mark phases with `meter.phase(name)` and the end
     of each optimizer step with `meter.end_step()`.
 
     With `track=False` the storage tracker is off and the loop runs at full speed; on CUDA the
     device counters still give the peaks (they cost nothing), on CPU nothing is measured.
+    `pause()` turns the tracker off for the rest of the run; the phases seen until then keep
+    their figures. The trainer pauses it after `measure_steps` steps (memory is the same at every
+    step after the first two), so that the steps after it are timed at full speed; None measures
+    every step, and so do an emulated budget and a CPU timeline (`budget`, `snapshot_to`), which
+    need every step's allocations.
 
     `budget` (bytes) makes the device behave as if it had that size: on CUDA through the
     per-process memory fraction, elsewhere by the tracker raising torch.OutOfMemoryError.
@@ -97,12 +123,17 @@ class MemoryMeter:
 
     def __init__(self, device: torch.device, track: bool = True, budget: int | None = None,
                  snapshot_to: Path | None = None, snapshot_entries: int = 100_000,
-                 warmup_steps: int = 3, allocator: CachingAllocatorModel | None = None):
+                 warmup_steps: int = 3, allocator: CachingAllocatorModel | None = None,
+                 measure_steps: int | None = None):
         self.device = device
         cuda = device.type == "cuda"
         if not (track or cuda) and (budget or snapshot_to):
             raise ValueError("memory.budget and memory.snapshot on CPU need memory.track=true: "
                              "the live-storage tracker is what counts the bytes")
+        if measure_steps is not None and measure_steps < 1:
+            raise ValueError(f"memory.measure_steps={measure_steps}: must be >= 1, or null to "
+                             "measure every step")
+        self.measure_steps = None if not cuda and (budget or snapshot_to) else measure_steps
         timeline = Timeline(snapshot_entries) if snapshot_to and not cuda else None
         self.tracker = (LiveStorageTracker(self._roles, None if cuda else budget, timeline,
                                            allocator) if track else None)
@@ -114,6 +145,10 @@ class MemoryMeter:
         self.live_after_steps: list[int] = []
         self._model: nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
+        # what the optimizer updates that is not the model's (fp32 master copies)
+        self._masters: list[torch.Tensor] = []
+        self._swaps = False
+        self._tracking: ExitStack | None = None
         self.last_phase: str | None = None  # the last named phase entered (OOM reports use it)
 
     def watch(self, model: nn.Module) -> None:
@@ -121,20 +156,34 @@ class MemoryMeter:
         built: the meter's gradient hooks must run before any optimizer's (optim.in_backward
         steps and frees each gradient in its own hook)."""
         self._model = model
+        self._swaps = isinstance(model, SwapsParameters)
         if self.tracker is not None:
             self.tracker.track(*self._model_tensors())
             for param in model.parameters():
                 if param.requires_grad:
                     param.register_post_accumulate_grad_hook(self._count_grad)
+            self.tracker.on_new_peak = self._name_changed_roles
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Name the optimizer whose tensors are optimizer state (and master copies)."""
         self._optimizer = optimizer
+        params = {id(p) for p in self._model.parameters()} if self._model is not None else set()
+        self._masters = [p for group in optimizer.param_groups for p in group["params"]
+                         if id(p) not in params]
         if self.tracker is not None:
             self.tracker.track(*self._optimizer_tensors())
 
     def _count_grad(self, param: torch.Tensor) -> None:
         self.tracker.mark_grad(param.grad)
+
+    def _name_changed_roles(self) -> None:
+        """Before a new peak: roles given inside a phase without a hook. Master copies get their
+        gradients in the optimizer step; FSDP swaps parameters in and out."""
+        if self._swaps:
+            self.tracker.refresh_roles()
+        for master in self._masters:
+            if master.grad is not None:
+                self.tracker.name(master.grad, "grads")
 
     def __enter__(self) -> MemoryMeter:
         self._active = ExitStack()
@@ -145,14 +194,28 @@ class MemoryMeter:
                 torch.cuda.memory._record_memory_history(
                     "all", context="all", stacks="python", max_entries=self.snapshot_entries)
         if self.tracker is not None:
+            self._active.callback(self.pause)
+            self._tracking = ExitStack()
             # torch.compile cannot run under a TorchDispatchMode: compiled code (torchao's 8-bit
             # optimizer step, for one) runs eagerly while the tracker watches.
-            self._active.enter_context(torch.compiler.set_stance("force_eager"))
-            self._active.enter_context(self.tracker)
+            self._tracking.enter_context(torch.compiler.set_stance("force_eager"))
+            self._tracking.enter_context(self.tracker)
         return self
 
     def __exit__(self, *exc) -> None:
         self._active.__exit__(*exc)
+
+    @property
+    def tracking(self) -> bool:
+        """Whether the storage tracker is counting now."""
+        return self._tracking is not None
+
+    def pause(self) -> None:
+        """Turn the tracker off for the rest of the meter's context: what follows runs at full
+        speed. Frees are still seen, allocations are not, so nothing after this is measured."""
+        if self._tracking is not None:
+            self._tracking.close()
+            self._tracking = None
 
     def write_snapshot(self) -> None:
         folder = self.snapshot_to
@@ -173,20 +236,12 @@ class MemoryMeter:
         """Mark a phase of the step; a shared null context when nothing is measured."""
         if self.tracker is None and self.counters is None:
             return _NOTHING
-        return self._measured_phase(name)
-
-    @contextmanager
-    def _measured_phase(self, name: str):
-        self._switch(name)
-        try:
-            yield
-        finally:
-            self._switch(IDLE)
+        return _Phase(self, name)
 
     def _switch(self, name: str) -> None:
         if name != IDLE:
             self.last_phase = name
-        if self.tracker is not None:
+        if self._tracking is not None:
             self.tracker.enter(name)
         if self.counters is not None:
             self.counters.switch(name)
@@ -207,6 +262,8 @@ class MemoryMeter:
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
     def _roles(self) -> dict[int, str]:
+        """Every storage the model and the optimizer hold now, by role (the tracker keeps each
+        storage's answer until roles may have changed)."""
         roles: dict[int, str] = {}
 
         def assign(tensors, role):
@@ -234,7 +291,7 @@ class MemoryMeter:
         """Device bytes in use now, where they can be read."""
         if self.counters is not None:
             return torch.cuda.memory_allocated(self.device)
-        return self.tracker.current if self.tracker is not None else None
+        return self.tracker.current if self.tracking else None
 
     # -- report ------------------------------------------------------------------------------
     def report(self) -> dict:

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 
 from memexp.memory.allocator import CachingAllocatorModel
@@ -68,9 +68,21 @@ def recomputing():
         _recompute_depth -= 1
 
 
-@dataclass(slots=True)
+# Which role wins when a storage is named twice (a master copy is an optimizer tensor, but its
+# gradient is a gradient): the order in which MemoryMeter's roles are assigned.
+ROLE_RANK = {"params": 0, "grads": 1, "optimizer": 2}
+
+
+class _Ref(weakref.ref):
+    """A weak reference to a storage that knows the storage's key: its callback is then the
+    tracker's own bound method, not a closure made for every allocation."""
+
+    __slots__ = ("key",)
+
+
+@dataclass(slots=True, eq=False)
 class _Storage:
-    ref: weakref.ref | None
+    ref: _Ref | None
     nbytes: int
     phase: str
     host: bool
@@ -78,21 +90,32 @@ class _Storage:
     # the storage's own size; `nbytes` is what the device holds for it (with `allocator`, the
     # caching allocator's rounded block)
     requested: int = 0
+    # when it was recorded, on the tracker's clock (a peak's storages were born before it)
+    born: int = 0
+    # params, grads or optimizer: looked up when roles may have changed, and kept here
+    role: str | None = None
 
 
 @dataclass
 class PhasePeak:
     peak_bytes: int = 0
-    # Live storages at the peak: (weakref, nbytes, creating phase, host, role known at the peak).
-    # Roles unknown at the peak are looked up again when the phase ends, because some tensors get
-    # their role after they are allocated (SGD stores a new momentum buffer after using it).
-    snapshot: list[tuple[weakref.ref, int, str, bool, str | None]] | None = None
     breakdown: dict[str, int] | None = None
+
+
+# Whether each tensor type seen is a wrapper subclass: asked for every op's outputs.
+_WRAPPER_TYPES: dict[type, bool] = {}
+
+
+def _is_wrapper(kind: type) -> bool:
+    wrapper = _WRAPPER_TYPES.get(kind)
+    if wrapper is None:
+        wrapper = _WRAPPER_TYPES[kind] = is_traceable_wrapper_subclass_type(kind)
+    return wrapper
 
 
 def tensor_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The real storages behind a tensor; wrapper subclasses (DTensor) are opened up."""
-    if is_traceable_wrapper_subclass(tensor):
+    if _is_wrapper(type(tensor)):
         names, _ = tensor.__tensor_flatten__()
         # DTensor (torch >= 2.10) also names its device mesh, which holds no storage.
         inner = (getattr(tensor, name) for name in names)
@@ -108,7 +131,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     `roles` maps id(storage) to a category for storages whose role is known from the outside
     (parameters, gradients, optimizer state); everything else is classified by the phase that
-    created it (see ACTIVATION_PHASES).
+    created it (see ACTIVATION_PHASES). Building that map walks every parameter and optimizer
+    tensor, so it is not rebuilt at every new peak: each storage keeps its role, looked up at a
+    phase's first new peak (roles given in the previous phase: optimizer state, gradients of
+    another rank) and at the end of a phase that reached one (roles given after the peak: SGD
+    stores its momentum buffer after using it). Roles given with a hook are named at once
+    (`name`, `mark_grad`); `on_new_peak` can name others that change inside a phase.
+
+    The peak's live set is not copied at every new peak either: storages alive at the peak are
+    those born before it and still alive, plus those freed since (kept in a list), with the
+    size and role they had then (kept when either changes after the peak). It is classified
+    when the phase ends.
     """
 
     def __init__(self, roles: Callable[[], dict[int, str]] = dict, budget: int | None = None,
@@ -122,8 +155,10 @@ class LiveStorageTracker(TorchDispatchMode):
         self.budget = budget
         # memory.snapshot: live bytes by category after every op
         self.timeline = timeline
-        # Weakref callbacks may fire from autograd's threads: single dict operations only, and
-        # iteration over a copy.
+        # called before each new peak is recorded, to name roles given without a hook
+        self.on_new_peak: Callable[[], None] | None = None
+        # Weakref callbacks may fire from autograd's threads: single dict and list operations
+        # only, and iteration over a copy.
         self._live: dict[int, _Storage] = {}
         self.phase = IDLE
         self.current = 0
@@ -135,14 +170,44 @@ class LiveStorageTracker(TorchDispatchMode):
         # Device activations alive when a forward pass ends: what autograd keeps for backward.
         self.saved_activations = 0
         self.peaks: dict[str, PhasePeak] = {}
+        self._on_free = self._free  # one bound method for every weak reference
+        # roles may have changed since they were last looked up (a new phase began)
+        self._stale = True
+        # The current phase's newest peak, not classified yet: its time on the clock, the
+        # storages alive then and freed since, and the (size, role) of those changed since.
+        self._clock = 0
+        self._pending: PhasePeak | None = None
+        self._peak_at = 0
+        self._freed: list[_Storage] = []
+        self._changed: dict[_Storage, tuple[int, str | None]] = {}
 
     # -- recording ---------------------------------------------------------------------------
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in a dynamo guard, a microsecond per op. The
+        # meter runs everything under it eagerly (set_stance("force_eager")): nothing compiles.
+        return False
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        leaves, _ = tree_flatten(out)
-        for leaf in leaves:
-            if isinstance(leaf, torch.Tensor):
-                self.track(leaf)
+        if _WRAPPER_TYPES.get(type(out)) is False:  # most ops: one plain tensor, inlined
+            try:
+                storage = out.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+                grew = False
+            else:
+                grew = self._record(storage)
+        elif isinstance(out, torch.Tensor):
+            grew = self._track_tensor(out)
+        elif out is None:
+            grew = False
+        else:
+            grew = False
+            for leaf in tree_flatten(out)[0]:
+                if isinstance(leaf, torch.Tensor):
+                    grew |= self._track_tensor(leaf)
+        if grew:
+            self._maybe_peak()
         if self.timeline is not None:
             self.timeline.record(self.phase, self.current, self.activations_current,
                                  self.grads_current, self.host_current)
@@ -152,10 +217,22 @@ class LiveStorageTracker(TorchDispatchMode):
         """Record the storages of `tensors` (safe to call on tensors already tracked)."""
         grew = False
         for tensor in tensors:
-            for storage in tensor_storages(tensor):
-                grew |= self._record(storage)
+            grew |= self._track_tensor(tensor)
         if grew:
             self._maybe_peak()
+
+    def _track_tensor(self, tensor: torch.Tensor) -> bool:
+        """Record `tensor`'s storages; True if device memory grew."""
+        if not _is_wrapper(type(tensor)):  # the common case, without building a list
+            try:
+                storage = tensor.untyped_storage()
+            except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+                return False
+            return self._record(storage)
+        grew = False
+        for storage in tensor_storages(tensor):
+            grew |= self._record(storage)
+        return grew
 
     def _record(self, storage: torch.UntypedStorage) -> bool:
         key = id(storage)
@@ -165,6 +242,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if known.requested == nbytes:
                 return False
             change = nbytes - known.requested  # resized in place
+            self._keep_as_at_peak(known)
             known.nbytes += change
             known.requested = nbytes
             self._add(known, change)
@@ -172,12 +250,15 @@ class LiveStorageTracker(TorchDispatchMode):
                 self._add_grad(change)
             return change > 0 and not known.host
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
-        record = _Storage(None, nbytes, phase, _host_depth > 0, requested=nbytes)
+        self._clock += 1
+        # positional: a third faster than keywords, on a path every allocation takes
+        record = _Storage(None, nbytes, phase, _host_depth > 0, False, nbytes, self._clock)
         if self.allocator is not None and not record.host:
             nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
         if not record.host and self.budget is not None and self.current + nbytes > self.budget:
             self._out_of_budget(nbytes)
-        record.ref = weakref.ref(storage, lambda _, key=key: self._free(key))
+        record.ref = _Ref(storage, self._on_free)
+        record.ref.key = key
         self._live[key] = record
         self._add(record, nbytes)
         return not record.host
@@ -191,11 +272,14 @@ class LiveStorageTracker(TorchDispatchMode):
             f"with {self.current / 2**20:.2f} MiB of live tensors; the emulated device holds "
             f"{self.budget / 2**20:.2f} MiB")
 
-    def _free(self, key: int) -> None:
+    def _free(self, ref: _Ref) -> None:
+        key = ref.key
         record = self._live.pop(key, None)
         if self.allocator is not None:
             self.allocator.free(key)
         if record is not None:
+            if record.born < self._peak_at:  # alive at the pending peak
+                self._freed.append(record)
             self._add(record, -record.nbytes)
             if record.grad:
                 self._add_grad(-record.nbytes)
@@ -207,6 +291,7 @@ class LiveStorageTracker(TorchDispatchMode):
             if record is not None and not record.grad and not record.host:
                 record.grad = True
                 self._add_grad(record.nbytes)
+        self.name(grad, "grads")
 
     def _add_grad(self, nbytes: int) -> None:
         self.grads_current += nbytes
@@ -222,14 +307,42 @@ class LiveStorageTracker(TorchDispatchMode):
             self.activations_current += nbytes
             self.activations_peak = max(self.activations_peak, self.activations_current)
 
+    # -- roles -------------------------------------------------------------------------------
+    def name(self, tensor: torch.Tensor, role: str) -> None:
+        """Give `tensor`'s storages `role` now (unless they hold a role that ranks before it)."""
+        for storage in tensor_storages(tensor):
+            record = self._live.get(id(storage))
+            if record is not None and (record.role is None
+                                       or ROLE_RANK[role] < ROLE_RANK[record.role]):
+                self._set_role(record, role)
+
+    def refresh_roles(self) -> None:
+        """Look every live storage's role up again."""
+        roles = self._roles()
+        for key, record in self._live.copy().items():
+            role = roles.get(key)
+            if role != record.role:
+                self._set_role(record, role)
+        self._stale = False
+
+    def _set_role(self, record: _Storage, role: str | None) -> None:
+        self._keep_as_at_peak(record)
+        record.role = role
+
+    def _keep_as_at_peak(self, record: _Storage) -> None:
+        """Before a storage's size or role changes: what it was at the pending peak."""
+        if record.born < self._peak_at:
+            self._changed.setdefault(record, (record.nbytes, record.role))
+
     # -- peaks -------------------------------------------------------------------------------
     def enter(self, phase: str) -> None:
         """Start attributing allocations to `phase`; what is live on entry counts for it too
         (an SGD step allocates nothing, yet the optimizer phase holds params and grads)."""
-        self._settle(self.peaks.get(self.phase))
+        self._settle()
         if self.phase == "forward":
             self.saved_activations = max(self.saved_activations, self.activations_current)
         self.phase = phase
+        self._stale = True
         if phase != IDLE:
             self._maybe_peak()
         if self.timeline is not None:
@@ -237,39 +350,49 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def _state_bytes(self) -> int:
         """Live device bytes of parameters and optimizer state (roles known from outside)."""
-        roles = self._roles()
-        return sum(r.nbytes for key, r in self._live.copy().items()
-                   if not r.host and roles.get(key) in ("params", "optimizer"))
+        if self._stale:
+            self.refresh_roles()
+        return sum(r.nbytes for r in self._live.copy().values()
+                   if not r.host and r.role in ("params", "optimizer"))
 
     def _maybe_peak(self) -> None:
-        peak = self.peaks.setdefault(self.phase, PhasePeak())
+        peak = self.peaks.get(self.phase)
+        if peak is None:
+            peak = self.peaks[self.phase] = PhasePeak()
         if self.current > peak.peak_bytes:
-            roles = self._roles()
+            if self._stale:
+                self.refresh_roles()
+            if self.on_new_peak is not None:
+                self.on_new_peak()
             peak.peak_bytes = self.current
-            peak.snapshot = [
-                (r.ref, r.nbytes, r.phase, r.host, roles.get(key))
-                for key, r in self._live.copy().items()
-            ]
             peak.breakdown = None
+            self._clock += 1
+            self._pending, self._peak_at, self._freed, self._changed = peak, self._clock, [], {}
 
-    def _settle(self, peak: PhasePeak | None) -> None:
-        """Classify a phase's peak snapshot, resolving late roles from the tensors alive now."""
-        if peak is None or peak.snapshot is None:
+    def _settle(self) -> None:
+        """Classify the pending peak's storages, with the sizes and roles they had at the peak;
+        a role unknown then is looked up now if the storage is still alive."""
+        peak, at = self._pending, self._peak_at
+        if peak is None:
             return
-        roles = self._roles()
+        changed = self._changed
+        held = [r for r in self._live.copy().values() if r.born < at] + self._freed
+        at_peak = [(r, *changed.get(r, (r.nbytes, r.role))) for r in held]
+        self._pending, self._peak_at, self._freed, self._changed = None, 0, [], {}
+        if any(role is None and r.ref() is not None for r, _, role in at_peak):
+            self.refresh_roles()
         totals = dict.fromkeys((*CATEGORIES, OFFLOADED), 0)
-        for ref, nbytes, phase, host, role in peak.snapshot:
-            if role is None and (storage := ref()) is not None:
-                role = roles.get(id(storage))
-            if host:
+        for record, nbytes, role in at_peak:
+            if role is None and record.ref() is not None:
+                role = record.role
+            if record.host:
                 role = OFFLOADED
             elif role is None:
-                role = "activations" if phase in ACTIVATION_PHASES else "other"
+                role = "activations" if record.phase in ACTIVATION_PHASES else "other"
             totals[role] += nbytes
-        peak.breakdown, peak.snapshot = totals, None
+        peak.breakdown = totals
 
     def settled_peaks(self) -> dict[str, PhasePeak]:
         """Every phase's peak, with its breakdown by category."""
-        for peak in self.peaks.values():
-            self._settle(peak)
+        self._settle()
         return self.peaks

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from memexp.distributed import env_world_size, init_process_group
-from memexp.memory import host_resident
+from memexp.memory import SwapsParameters, host_resident
 from memexp.models.blocks import Blocks, resolve_blocks
 from memexp.techniques import NOTHING, model_device
 
@@ -166,7 +166,7 @@ class ZeRO1(DDP):
         return zero
 
 
-class _ShardedAndGathered(nn.Module):
+class _ShardedAndGathered(SwapsParameters):
     """A unit that runs sets its gathered parameters on its modules in place of the sharded
     ones, which still exist: the meter counts both as parameters (the sharded ones would
     otherwise count as optimizer tensors, and the gathered ones as activations)."""

@@ -1,0 +1,112 @@
+"""Step times that can be compared: which steps are timed, their spread, and how busy the machine
+was meanwhile.
+
+The storage tracker costs time in proportion to a step's ops, so a technique that adds ops
+(accumulation, recomputation) looks slower under it than it is. A run therefore measures memory
+on its first steps (`memory.measure_steps`, the tracker on) and takes its step time from the
+steps after them (the tracker off). A run too short to have such steps is timed on its tracked
+steps and says so (`tracked: true`); the report leaves its time ratio out.
+
+Step times on a shared machine move with what else runs on it, so each run records the share of
+the machine's CPU time that other processes took while its timed steps ran (from /proc/stat),
+and the interquartile range of its step times. The report marks a ratio uncertain when either is
+too large to trust it.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+# A run whose timed steps shared the machine with other processes taking more than this share of
+# its CPU time (all cores together) is marked busy: its step time may be theirs as much as its own.
+BUSY_SHARE = 0.10
+
+
+def machine_cpu_ticks() -> tuple[int, int] | None:
+    """(busy, total) CPU time of the whole machine since boot, in clock ticks, from /proc/stat's
+    first line; None where there is none (not Linux)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    # user nice system idle iowait irq softirq steal; idle and iowait are the idle time.
+    return sum(fields) - fields[3] - fields[4], sum(fields)
+
+
+def own_cpu_seconds(children: bool = False) -> float:
+    """CPU time this process has used, all its threads (and its children that have ended)."""
+    times = os.times()
+    own = times.user + times.system
+    return own + times.children_user + times.children_system if children else own
+
+
+@dataclass
+class MachineLoad:
+    """How much of the machine other processes used from `start()` on; `children`: this
+    process's child processes count as its own."""
+
+    children: bool = False
+    _ticks: tuple[int, int] | None = None
+    _own: float = 0.0
+
+    def start(self) -> None:
+        self._ticks, self._own = machine_cpu_ticks(), own_cpu_seconds(self.children)
+
+    def own_cpu(self) -> float:
+        """This process's CPU seconds since `start()`."""
+        return own_cpu_seconds(self.children) - self._own
+
+    def others_share(self, ours: float) -> float | None:
+        """The share of the machine's CPU time since `start()` that did not go to `ours` (CPU
+        seconds of this run's processes), or None where it cannot be read."""
+        now = machine_cpu_ticks()
+        if now is None or self._ticks is None or now[1] <= self._ticks[1]:
+            return None
+        busy, total = now[0] - self._ticks[0], now[1] - self._ticks[1]
+        return max(0.0, busy - ours * os.sysconf("SC_CLK_TCK")) / total
+
+
+def step_ranges(steps: list[int]) -> list[list[int]]:
+    """[3, 4, 5, 9] -> [[3, 5], [9, 9]]: sets of steps, as result.json gives them."""
+    ranges: list[list[int]] = []
+    for step in steps:
+        if ranges and step == ranges[-1][1] + 1:
+            ranges[-1][1] = step
+        else:
+            ranges.append([step, step])
+    return ranges
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    """(first quartile, median, third quartile)."""
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, median, q3
+
+
+def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
+                others_share: float | None) -> dict:
+    """The `timing` part of result.json's metrics: the median step time of the untracked steps
+    past warm-up (of the tracked ones where there are none; None where every step was warm-up),
+    its interquartile range, which
+    steps were timed and which measured memory, and how busy the machine was."""
+    skip = set(measured)
+    steps = list(range(1, len(step_times) + 1))
+    untracked = [s for s in steps if s not in skip and s > warmup_steps]
+    # Warm-up steps are never timed: a run of warm-up only has no step time, not a wrong one.
+    timed = untracked or [s for s in steps if s > warmup_steps]
+    q1, median, q3 = quartiles([step_times[s - 1] for s in timed]) if timed else (None,) * 3
+    return {
+        "step_time_s": median,
+        "step_time_iqr_s": [q1, q3] if timed else None,
+        "timed_steps": step_ranges(timed),
+        "measured_steps": step_ranges(sorted(skip)),
+        # the timed steps ran under the storage tracker: slower, by more for ops-heavy steps
+        "tracked": not untracked,
+        "others_cpu_share": others_share,
+        "busy": others_share is not None and others_share > BUSY_SHARE,
+    }

@@ -1,0 +1,140 @@
+"""Time and memory measured apart: memory on the first steps (tracker on), time on the rest;
+the report's time ratios from untracked steps, with their spread, and never a fastest config
+named on an uncertain one. Nothing here depends on how fast anything runs."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_report import rows_of
+
+from memexp.memory import LiveStorageTracker
+from memexp.report import pick
+from memexp.timing import MachineLoad, step_timing
+
+from conftest import train
+
+MIB = 2**20
+MLP = ("model=mlp", "data.batch_size=16", "data.num_train=256", "data.num_eval=64")
+
+
+@pytest.mark.parametrize("overrides", [
+    (*MLP, "optim=adam"),
+    ("model.width=4", "model.blocks_per_stage=[1,1,1,1]", "data.image_size=16",
+     "data.batch_size=8", "data.num_train=64", "data.num_eval=16", "optim=sgd_momentum",
+     "checkpointing=full"),
+], ids=["mlp adam", "resnet momentum checkpointing"])
+def test_memory_of_the_first_steps_is_the_memory_of_every_step(overrides):
+    every, _ = train(*overrides, "memory.measure_steps=null", steps=6)
+    first, metrics = train(*overrides, "memory.measure_steps=2", steps=6)
+    # every figure, the evaluation's included (measured after step 2 on two batches)
+    assert first.meter.report() == every.meter.report()
+    timing = first.summary_metrics()["timing"]
+    assert metrics.measured_steps == [1, 2]
+    assert timing["measured_steps"] == [[1, 2]] and timing["timed_steps"] == [[3, 6]]
+    assert timing["tracked"] is False
+    # the run's accuracy is the last evaluation's, not the measured one's
+    assert metrics.eval_accuracy == every.metrics.eval_accuracy
+
+
+def test_a_run_too_short_for_untracked_steps_says_its_time_is_tracked():
+    trainer, _ = train(*MLP, "memory.measure_steps=10", steps=3)
+    timing = trainer.summary_metrics()["timing"]
+    assert timing["tracked"] is True and timing["measured_steps"] == [[1, 3]]
+    _, untracked = train(*MLP, "memory.track=false", steps=3)
+    assert untracked.measured_steps == []
+
+
+def test_step_timing_takes_untracked_steps_past_warmup():
+    times = [9.0, 8.0, 7.0, 1.0, 2.0, 3.0, 4.0, 5.0]
+    timing = step_timing(times, measured=[1, 2, 3], warmup_steps=4, others_share=0.5)
+    assert timing["timed_steps"] == [[5, 8]]
+    assert timing["step_time_s"] == 3.5 and timing["step_time_iqr_s"] == [2.75, 4.25]
+    assert timing["busy"] is True
+    assert step_timing(times, [1, 2, 3], 1, 0.0)["timed_steps"] == [[4, 8]]
+    # every step measured: the tracked ones past warm-up
+    tracked = step_timing(times[:3], [1, 2, 3], 1, None)
+    assert tracked["tracked"] is True and tracked["timed_steps"] == [[2, 3]]
+
+
+def test_machine_load_counts_other_processes():
+    load = MachineLoad()
+    load.start()
+    # another process keeps a core busy while this one sleeps
+    burner = subprocess.Popen([sys.executable, "-c", "import time\nt = time.time()\n"
+                               "while time.time() - t < 1.5: pass"])
+    burner.wait()
+    time.sleep(0.1)
+    share = load.others_share(load.own_cpu())
+    assert share is not None and 0.2 < share <= 1.0
+
+
+def test_the_peak_is_classified_as_it_was_at_the_peak():
+    roles: dict[int, str] = {}
+    tracker = LiveStorageTracker(lambda: dict(roles))
+    with tracker:
+        tracker.enter("forward")
+        a = torch.zeros(MIB // 4)
+        b = torch.zeros(MIB // 4)  # the peak: a and b
+        roles[id(b.untyped_storage())] = "params"  # a role given after the peak
+        del a  # freed after the peak: still counted, at its size then
+        c = torch.zeros(MIB // 8)  # after the peak, no new one: not counted
+        tracker.enter("other")
+    breakdown = tracker.settled_peaks()["forward"].breakdown
+    assert breakdown["activations"] == MIB and breakdown["params"] == MIB
+    assert sum(breakdown.values()) == 2 * MIB
+    del b, c
+
+
+# -- the report ----------------------------------------------------------------------------------
+def result(overrides: list[str], step: float, spread: float = 0.01, peak: int | None = 100,
+           tracked_time: bool = False, busy: bool = False, batch: int = 64,
+           accumulate: int = 1, **techniques) -> dict:
+    chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
+              "bn_mode": "train", **techniques}
+    timing = {"step_time_s": step, "step_time_iqr_s": [step - spread, step + spread],
+              "tracked": tracked_time, "busy": busy}
+    return {"status": "ok", "overrides": overrides, "techniques": chosen,
+            "config": {"data": {"batch_size": batch}, "optim": {"accumulate": accumulate}},
+            "memory": {"peak_bytes": peak * MIB if peak else None, "tracked": peak is not None},
+            "metrics": {"step_time_s": step, "throughput": batch / step,
+                        "throughput_unit": "samples/s", "eval_accuracy": 0.5, "timing": timing}}
+
+
+def test_time_ratios_come_from_untracked_steps_even_without_tracking():
+    rows = rows_of(result(["memory.track=false"], 1.0, peak=None),
+                   result(["checkpointing=full"], 1.3, peak=60, checkpointing="full"),
+                   result(["checkpointing=offload"], 1.1, peak=50, tracked_time=True,
+                          checkpointing="offload"))
+    assert [r.step_time_ratio for r in rows] == [1.0, pytest.approx(1.3), None]
+    assert rows[1].step_time_range == pytest.approx((1.29 / 1.01, 1.31 / 0.99))
+    # no measured peak, no memory ratio; the full row is the memory baseline
+    assert [r.memory_ratio for r in rows] == [None, 1.0, pytest.approx(50 / 60)]
+
+
+def test_accumulation_at_the_same_samples_per_step_is_compared_with_the_baseline():
+    rows = rows_of(result(["optim.accumulate=1", "data.batch_size=64"], 1.0),
+                   result(["optim.accumulate=4", "data.batch_size=16"], 1.1, batch=16,
+                          accumulate=4),
+                   result(["optim.accumulate=4", "data.batch_size=64"], 4.0, accumulate=4))
+    assert rows[0].workload == rows[1].workload != rows[2].workload
+    assert rows[1].step_time_ratio == pytest.approx(1.1) and rows[2].step_time_ratio == 1.0
+
+
+def test_an_uncertain_ratio_is_marked_and_never_names_the_fastest():
+    base = result(["checkpointing=none"], 1.0)
+    close = result(["checkpointing=offload"], 0.99, spread=0.05, checkpointing="offload")
+    clear = result(["checkpointing=full"], 1.5, checkpointing="full")
+    rows = rows_of(base, close, clear)
+    assert rows[1].time_doubt == "its spread overlaps 1.0" and rows[2].time_doubt is None
+    choice = pick(rows, 200 * MIB)
+    assert choice.fastest is None and choice.fastest_doubt == "job 0 within job 1's timing spread"
+    # without the close one, the fastest is named; a busy machine takes that back
+    assert pick(rows_of(base, clear), 200 * MIB).fastest.job == "0"
+    busy = rows_of(base, result(["checkpointing=full"], 1.5, busy=True, checkpointing="full"))
+    assert "busy during job 1" in busy[1].time_doubt
+    assert pick(busy, 200 * MIB).fastest is None
