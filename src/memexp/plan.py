@@ -108,7 +108,8 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
-def plan(arguments: list[str], budget: str, target: str = "cpu") -> list[Plan]:
+def plan(arguments: list[str], budget: str, target: str = "cpu",
+         gpu: str = "h100") -> list[Plan]:
     """Every searched combination's cheapest fitting way to run, cheapest first (with, after
     them, the ones that fit in no way, as `fits=False`)."""
     limit = parse_size(budget, "budget")
@@ -130,7 +131,7 @@ def plan(arguments: list[str], budget: str, target: str = "cpu") -> list[Plan]:
             overrides = [*computed, f"checkpointing={checkpointing}",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
-            result = estimate(compose_config([*fixed, *overrides]), target)
+            result = estimate(compose_config([*fixed, *overrides]), target, gpu)
             key = (precision, optim, bn_mode, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if checkpointing == "none":

@@ -105,8 +105,9 @@ class MemoryMeter:
                              "the live-storage tracker is what counts the bytes")
         timeline = Timeline(snapshot_entries) if snapshot_to and not cuda else None
         self.tracker = (LiveStorageTracker(self._roles, None if cuda else budget, timeline,
-                                           allocator) if track else None)
-        self.counters = CudaCounters(device) if cuda else None
+                                           allocator, device.type) if track else None)
+        # An estimate for CUDA counts with its allocator model: a fake device has no counters.
+        self.counters = CudaCounters(device) if cuda and allocator is None else None
         if budget is not None and cuda:
             limit_cuda_memory(device, budget)
         self.snapshot_to, self.snapshot_entries = snapshot_to, snapshot_entries

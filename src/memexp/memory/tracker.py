@@ -108,14 +108,17 @@ class LiveStorageTracker(TorchDispatchMode):
 
     `roles` maps id(storage) to a category for storages whose role is known from the outside
     (parameters, gradients, optimizer state); everything else is classified by the phase that
-    created it (see ACTIVATION_PHASES).
+    created it (see ACTIVATION_PHASES). With `device_type` set, tensors on other devices are not
+    device memory and are skipped (a CUDA run's batch before it is copied over), unless they are
+    declared host-resident (`host_resident()`).
     """
 
     def __init__(self, roles: Callable[[], dict[int, str]] = dict, budget: int | None = None,
                  timeline: Timeline | None = None,
-                 allocator: CachingAllocatorModel | None = None):
+                 allocator: CachingAllocatorModel | None = None, device_type: str | None = None):
         super().__init__()
         self._roles = roles
+        self.device_type = device_type
         # estimates for CUDA: count each storage as the caching allocator's block for it
         self.allocator = allocator
         # memory.budget: the size of the device this run pretends to have
@@ -152,6 +155,10 @@ class LiveStorageTracker(TorchDispatchMode):
         """Record the storages of `tensors` (safe to call on tensors already tracked)."""
         grew = False
         for tensor in tensors:
+            # A fake tensor's storage is on "meta": the tensor knows where it lives.
+            if (self.device_type is not None and tensor.device.type != self.device_type
+                    and _host_depth == 0):
+                continue
             for storage in tensor_storages(tensor):
                 grew |= self._record(storage)
         if grew:

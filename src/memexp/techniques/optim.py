@@ -108,19 +108,26 @@ class SGD(OptimizerChoice):
 
 @dataclass(kw_only=True)
 class Adam(OptimizerChoice):
-    """Adam: two moments per parameter, 8 bytes per fp32 parameter."""
+    """Adam: two moments per parameter, 8 bytes per fp32 parameter.
+
+    fused: torch's fused kernel (one kernel per step, `_fused_adam_`) instead of its default
+           foreach kernels, whose per-step temporaries are lists the size of the parameters.
+    """
 
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    fused: bool = False
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.Adam
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        # Only when asked: torchao's AdamW8bit takes no `fused` (and refuses it, below).
+        fused = {"fused": True} if self.fused else {}
         return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                      weight_decay=self.weight_decay)
+                                      weight_decay=self.weight_decay, **fused)
 
 
 @dataclass(kw_only=True)
@@ -155,6 +162,12 @@ class AdamW8bit(AdamW):
     """AdamW with block-quantized 8-bit moments (torchao's AdamW8bit): about 2 bytes of state per
     parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
     to 32-bit AdamW, which would measure the wrong thing."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fused:
+            raise ValueError("optim.fused=true: optim=adamw_8bit has no fused kernel; use "
+                             "optim=adamw optim.fused=true, or optim.fused=false")
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         try:
