@@ -50,7 +50,7 @@ CUDA_STAMP := $(CUDA_VENV)/.memexp-installed
 $(CUDA_STAMP): pyproject.toml
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install --quiet $(CUDA_TORCH)
-	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[lowbit]'
+	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[dev,lowbit]'
 	touch $@
 
 cuda-estimator: $(CUDA_STAMP) ## opt-in: .venv-cuda, a CUDA build of torch for CUDA-faithful estimates (~5.5 GB)

@@ -44,7 +44,7 @@ from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.techniques.parallel import NoParallel
-from memexp.trainer import Trainer, build, first_steps
+from memexp.trainer import Trainer, build, build_model, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
@@ -174,8 +174,13 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
         allow_non_fake_inputs=True)
     flops = _FlopsByPhase()
+    # The model is built on the meta device and given fake storage: initialisers skip meta
+    # tensors, and some loop on values a trace does not have (nn.init.trunc_normal_ resamples
+    # until no value is out of range). Values never change memory.
+    with torch.device("meta"):
+        model = build_model(cfg.model)
     with fake, _UnknownValues(fake), ExitStack() as modes:
-        trainer = Trainer(cfg, allocator=allocator, data=data)
+        trainer = Trainer(cfg, allocator=allocator, data=data, model=model.to_empty(device="cpu"))
         flops.phase = lambda: trainer.meter.tracker.phase
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))

@@ -6,8 +6,14 @@
  * about the device before it picks its CUDA code paths (autocast, GradScaler, the SDPA kernel,
  * cuDNN batch norm, fused optimizers). This library answers those questions as one device
  * whose description comes from MEMEXP_FAKECUDA_* variables (memexp.fakecuda sets them from its
- * GPU table). The list of calls was read off torch 2.14.1+cu130 with gdb (`rbreak ^cuda` on
- * libcudart.so.13) while it traced a transformer and a ResNet step.
+ * GPU table). The list was read off torch 2.14.1+cu130 with gdb, a breakpoint on each of
+ * libcudart.so.13's ~420 exported functions, while memexp traced transformer and ResNet steps
+ * (amp, bf16, checkpointing, offload, fused AdamW). Those traces call cudaGetDevice,
+ * cudaSetDevice, cudaGetDeviceCount, cudaGetDeviceProperties, cudaStreamIsCapturing,
+ * cudaDeviceGetStreamPriorityRange and cudaGetDriverEntryPointByVersion, and of the real
+ * runtime only __cudaUnregisterFatBinary at exit; the other answers cover torch paths seen in
+ * the first probe of this design (attributes, versions, error state, capture info) and
+ * torch.cuda.mem_get_info.
  *
  * It never pretends to do work: the calls that would allocate device or pinned memory, copy,
  * or launch a kernel abort the process with a message naming the call. Under FakeTensorMode

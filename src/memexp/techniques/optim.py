@@ -1,8 +1,9 @@
 """optim: the optimizer, when it steps (gradient accumulation), and where (optimizer in backward).
 
-Every option has `lr`, `accumulate` and `in_backward`; `build(params)` returns the optimizer the
-trainer steps. Gradients are always zeroed with set_to_none (the trainer does it right after the
-step), so no gradient memory lives between steps.
+Every option has `lr`, `accumulate`, `in_backward` and `keep_grads`; `build(params)` returns the
+optimizer the trainer steps. Gradients are zeroed with set_to_none (the trainer does it right
+after the step), so no gradient memory lives between steps, unless keep_grads asks for the old
+way.
 """
 
 from __future__ import annotations
@@ -65,11 +66,15 @@ class OptimizerChoice:
     accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
                  (MMEngine's accumulative_counts, Lightning's accumulate_grad_batches).
     in_backward: step each parameter as soon as its gradient is complete (StepInBackward).
+    keep_grads:  zero gradients in place after the step instead of freeing them (torch < 2.0's
+                 `zero_grad()` default, set_to_none=False): they stay allocated through the
+                 next forward pass. For comparing with runs made that way; it only costs memory.
     """
 
     lr: float
     accumulate: int = 1
     in_backward: bool = False
+    keep_grads: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -84,6 +89,9 @@ class OptimizerChoice:
                 "backward uses each gradient at once, so gradients cannot accumulate over "
                 "micro-batches. Use one or the other."
             )
+        if self.in_backward and self.keep_grads:
+            raise ValueError("optim.in_backward=true with optim.keep_grads=true: stepping inside "
+                             "backward frees each gradient as it is used. Use one or the other.")
 
     def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer | StepInBackward:
         params = list(params)
@@ -110,8 +118,10 @@ class SGD(OptimizerChoice):
 class Adam(OptimizerChoice):
     """Adam: two moments per parameter, 8 bytes per fp32 parameter.
 
-    fused: torch's fused kernel (one kernel per step, `_fused_adam_`) instead of its default
-           foreach kernels, whose per-step temporaries are lists the size of the parameters.
+    fused:   torch's fused kernel (one kernel per step, `_fused_adam_`) instead of its default
+             foreach kernels, whose per-step temporaries are lists the size of the parameters.
+    foreach: false: torch's loop over parameters, whose temporaries are one parameter's size;
+             null: torch's choice (foreach on CUDA).
     """
 
     lr: float = 1e-3
@@ -119,15 +129,15 @@ class Adam(OptimizerChoice):
     eps: float = 1e-8
     weight_decay: float = 0.0
     fused: bool = False
+    foreach: bool | None = None
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.Adam
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
-        # Only when asked: torchao's AdamW8bit takes no `fused` (and refuses it, below).
-        fused = {"fused": True} if self.fused else {}
         return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                      weight_decay=self.weight_decay, **fused)
+                                      weight_decay=self.weight_decay, fused=self.fused or None,
+                                      foreach=self.foreach)
 
 
 @dataclass(kw_only=True)
@@ -165,9 +175,13 @@ class AdamW8bit(AdamW):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fused:
-            raise ValueError("optim.fused=true: optim=adamw_8bit has no fused kernel; use "
-                             "optim=adamw optim.fused=true, or optim.fused=false")
+        if self.fused or self.foreach is not None:
+            raise ValueError("optim.fused and optim.foreach: optim=adamw_8bit has one kernel of "
+                             "its own; leave them unset (false and null)")
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                      weight_decay=self.weight_decay)
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         try:
