@@ -71,7 +71,7 @@ def test_the_cli_prints_the_breakdown_and_refuses_bad_input(capsys):
     assert "peak" in out and "backward" in out and "activations" in out
     assert cli.main(["estimate", "precision=bogus"]) == 2
     err = capsys.readouterr().err
-    assert "precision/bogus" in err and "bf16_pure" in err
+    assert "precision=bogus: there is no such option" in err and "bf16_pure" in err
     assert cli.main(["estimate", "model=mlp", "parallel=fsdp"]) == 2
     assert "not estimated yet" in capsys.readouterr().err
 
@@ -135,7 +135,13 @@ def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_pa
     # the plan's command is a real run that fits the budget, as estimated
     assert cli.main(["plan", f"budget={int(fp32 * 0.9)}", *arguments, "--verify", "1",
                      "--verify-steps", "3"]) == 0
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
+    # each candidate as it was estimated: fp32 over budget until accumulation made it fit
+    tried = err.splitlines()
+    assert tried[0].startswith("memexp plan: estimating up to 6 candidates")
+    fp32_tried = [line for line in tried if "precision=fp32 " in line]
+    assert " over " in fp32_tried[0] and "optim.accumulate=1 " in fp32_tried[0]
+    assert " fits " in fp32_tried[-1] and "optim.accumulate=1 " not in fp32_tried[-1]
     assert "python train.py" in out and "verified in" in out
     ratio = float(out.split("verified in")[1].splitlines()[2].split()[5])
     assert ratio == pytest.approx(1.0, abs=0.03)

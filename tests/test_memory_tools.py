@@ -9,10 +9,13 @@ import pytest
 import torch
 from test_sweep import TESTS, results, sweep
 
+from memexp import cli
 from memexp.app import run_config
 from memexp.find_batch import probe, with_batch_size
 from memexp.loggers import NoLogger
 from memexp.memory.sizes import parse_size
+from memexp.plots import write_plots
+from memexp.report import load_rows
 from memexp.trainer import OutOfMemory, Trainer
 
 from conftest import compose_train
@@ -50,6 +53,14 @@ def test_a_cpu_sweep_shows_which_configs_would_oom_and_goes_on(tmp_path):
     assert found["1"]["memory"]["peak_bytes"] <= 64 * 2**20
     report = (sweep_dir / "report.md").read_text()
     assert "| oom |" in report and "| ok |" in report
+    # The plots, drawn again from the real results: the OOM job is a marked bar, labelled
+    # like every point with the override that tells it apart.
+    charts = {chart.path.name: chart for chart in write_plots(load_rows(sweep_dir), tmp_path)}
+    bars = charts["memory_breakdown.png"]
+    assert bars.labels == ["memory.budget=6MiB", "memory.budget=64MiB"]
+    assert any("did not succeed" in note for note in bars.notes)
+    assert charts["memory_vs_throughput.png"].labels == ["memory.budget=64MiB"]
+    assert all((sweep_dir / name).stat().st_size > 0 for name in charts)  # the sweep's own
 
 
 # -- the max-batch finder ------------------------------------------------------------------
@@ -68,6 +79,16 @@ def test_auto_batch_size_is_the_largest_that_fits_checked_directly(tmp_path):
     cpu = torch.device("cpu")
     assert probe(with_batch_size(cfg, found), cpu) is not None
     assert probe(with_batch_size(cfg, found + 1), cpu) is None
+
+
+def test_find_batch_shows_each_probe_as_it_ends(capsys):
+    assert cli.main(["find-batch", *MLP, "model.hidden=16", "data.num_train=8", "data.num_eval=8",
+                     "memory.budget=12MiB", "trainer.device=cpu"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines[:-1]] == [
+        f"  batch {size:>6}" for size in (1, 2, 4, 8)]  # doubling up to the 8 samples there are
+    assert all(line.endswith(" MiB") for line in lines[:-1])
+    assert lines[-1].startswith("memexp find-batch: data.batch_size=8 is the largest that fits")
 
 
 # -- memory.snapshot -----------------------------------------------------------------------

@@ -90,6 +90,18 @@ def test_adamw_8bit_without_torchao_is_a_clear_error_not_a_fallback():
     assert "optim=adamw_8bit needs torchao's AdamW8bit" in done.stderr
 
 
+def test_torchao_imports_without_the_warnings_a_user_cannot_act_on():
+    # Logging set up as a run's (Hydra's) is: without the filters, four warnings come out here
+    # (two CUDA libraries, no Triton, torch's Enum deprecation).
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from memexp.techniques.optim import AdamW8bit\n"
+            "AdamW8bit(lr=1e-3).optimizer_class()\n"
+            "assert not logging.getLogger('torchao').filters  # only while importing\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == "" and done.stdout == ""
+
+
 # -- effect: the meter ---------------------------------------------------------------------------
 @pytest.mark.parametrize(("optim", "bytes_per_param"),
                          [("sgd", 0), ("sgd_momentum", 4), ("adam", 8), ("adamw", 8)])

@@ -99,3 +99,17 @@ def test_amp_lowers_peak_allocated_on_cuda():
     amp = step_memory("trainer.device=cuda", "model.width=32", "data.batch_size=64",
                       "precision=amp")
     assert amp["peak_bytes"] < fp32["peak_bytes"]
+
+
+@pytest.mark.parametrize(("precision", "noted"), [("bf16", True), ("fp32", False)])
+def test_a_half_precision_run_on_a_cpu_says_its_times_do_not_carry_over(tmp_path, caplog,
+                                                                        precision, noted):
+    from memexp.app import run_config
+
+    overrides = ["model=mlp", "model.hidden=16", "data.batch_size=8", "data.num_eval=16",
+                 "logger=none", "trainer.max_steps=1", f"precision={precision}"]
+    with caplog.at_level("INFO", logger="memexp"):
+        run_config(compose_train(*overrides), tmp_path, {}, overrides, "half")
+    note = "note: half precision on a CPU, where its kernels are emulated or slow: these step " \
+           "times do not carry over to a GPU"
+    assert (note in caplog.text) == noted

@@ -6,7 +6,15 @@ from __future__ import annotations
 import pytest
 
 from memexp.memory.sizes import parse_size
-from memexp.report import Row, add_ratios, describe_rows, pareto_front, pick
+from memexp.report import (
+    HALF_MARK,
+    Row,
+    add_ratios,
+    describe_rows,
+    markdown_table,
+    pareto_front,
+    pick,
+)
 
 GIB = 2**30
 
@@ -82,3 +90,13 @@ def test_budget_names_the_fastest_and_the_most_accurate_that_fit():
     assert choice.fastest.job == "0"
     assert choice.most_accurate.job == "1"
     assert not pick(rows, parse_size("1GiB", "report.budget")).fitting
+
+
+def test_half_precision_times_measured_on_a_cpu_are_marked():
+    bf16, fp32 = (result([f"precision={p}"], 1.0, 0.5, 0.8, precision=p) for p in ("bf16", "fp32"))
+    for record, dtype in ((bf16, "bfloat16"), (fp32, None)):
+        record.update(env={"device_name": "cpu"}, config={"precision": {"dtype": dtype}})
+    table = markdown_table(rows_of(bf16, fp32)).splitlines()
+    bf16_row, fp32_row = table[2], table[3]
+    assert bf16_row.count(HALF_MARK) == 2 and HALF_MARK not in fp32_row  # step time, throughput
+    assert table[-1].startswith(f"{HALF_MARK} half precision on a CPU")

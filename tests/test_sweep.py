@@ -157,6 +157,8 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
     report = (sweep_dir / "report.md").read_text()
     for job, status in enumerate(statuses):
         assert f"| {job} | +model.mode=" in report and f"| {status} |" in report
+    for plot in ("memory_breakdown.png", "memory_vs_throughput.png", "memory_vs_accuracy.png"):
+        assert f"]({plot})" in report and (sweep_dir / plot).stat().st_size > 0
     # The failed job's wandb run ends with a non-zero exit code.
     failed_run = next((sweep_dir / "1" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert wandb_summary(failed_run)["exit_code"] == 1

@@ -44,16 +44,41 @@ def test_smoke_run_writes_a_complete_result(tmp_path):
 @pytest.mark.parametrize(
     ("override", "says"),
     [
-        ("precision=bogus", ["precision/bogus", "Available options in 'precision'", "fp32"]),
-        ("trainer.max_steps=abc", ["trainer.max_steps", "could not be converted to Integer"]),
+        ("precision=bogus", ["memexp: precision=bogus: there is no such option",
+                             "  valid choices for precision: amp, bf16, bf16_pure, fp16_pure, "
+                             "fp32, tf32"]),
+        ("trainer.max_steps=abc", ["memexp: trainer.max_steps=abc: Value 'abc' of type 'str' "
+                                   "could not be converted to Integer"]),
     ],
 )
-def test_bad_input_exits_nonzero_and_claims_no_success(tmp_path, override, says):
+def test_bad_input_is_told_once_in_a_few_lines_and_claims_no_success(tmp_path, override, says):
     done = run_train_py(tmp_path, *SMOKE, override)
     assert done.returncode != 0
-    for fragment in says:
-        assert fragment in done.stderr
+    lines = done.stderr.splitlines()  # the message, then the valid choices, and nothing else
+    assert len(lines) == len(says) and not done.stdout
+    assert all(line.startswith(start) for line, start in zip(lines, says, strict=True))
     assert not (tmp_path / "run" / "result.json").exists()
+
+
+def test_a_techniques_own_check_is_told_once_by_the_run_summary(tmp_path):
+    done = run_train_py(tmp_path, *SMOKE, "optim.lr=-1")
+    assert done.returncode == 1
+    output = done.stdout + done.stderr
+    assert output.count("the learning rate must be positive") == 1
+    assert "Traceback" not in output and "Error executing job" not in output
+    assert "  error        ValueError: optim.lr=-1.0: the learning rate must be positive" in output
+    assert len(output.strip().splitlines()) <= 6
+    recorded = json.loads((tmp_path / "run" / "result.json").read_text())
+    assert recorded["status"] == "failed" and "Traceback" in recorded["error"]
+
+
+def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(tmp_path):
+    done = run_train_py(tmp_path, "--help")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("memexp: which memory-saving techniques make a model fit")
+    assert "powered by Hydra" not in done.stdout and "schema/" not in done.stdout
+    assert "\nprecision: amp, bf16, bf16_pure, fp16_pure, fp32, tf32\n" in done.stdout
+    assert "  max_steps: 200" in done.stdout  # and the config, every key
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

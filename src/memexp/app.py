@@ -13,11 +13,18 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from memexp import distributed
+from memexp import distributed, errors
 from memexp.config import config_dir
 from memexp.find_batch import find_batch_size
 from memexp.loggers import NoLogger, RunInfo
-from memexp.result import RunRecord, record_killed, summary, write_json_atomic
+from memexp.result import (
+    HALF_ON_CPU,
+    RunRecord,
+    half_precision_on_cpu,
+    record_killed,
+    summary,
+    write_json_atomic,
+)
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer, build, device_name, is_out_of_memory
 
 log = logging.getLogger("memexp")
@@ -56,6 +63,8 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             record.payload["config"] = OmegaConf.to_container(cfg, resolve=True)
         trainer = Trainer(cfg, run_dir)
         record.payload["env"]["device_name"] = device_name(trainer.device)
+        if rank == 0 and half_precision_on_cpu(record.payload):
+            log.info(f"note: {HALF_ON_CPU}")
         trainer.fit(logger)
         record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
     except BaseException as error:
@@ -147,7 +156,12 @@ def run(cfg: DictConfig) -> dict:
               dict(hydra_cfg.runtime.choices), list(hydra_cfg.overrides.task), group)
     if distributed.under_torchrun():  # only rank 0 runs Hydra; the others wait for its job
         distributed.share_job(job)
-    return run_ranks(job, nproc) if nproc > 1 else job.run()
+    if nproc > 1:
+        return run_ranks(job, nproc)
+    if multirun:
+        return job.run()
+    with errors.summarized_bad_input():
+        return job.run()
 
 
 def follow_rank_zero() -> None:
@@ -164,12 +178,12 @@ def main() -> None:
     hydra_main = hydra.main(version_base="1.3", config_path=str(config_dir()),
                             config_name="train")(run)
     if not distributed.under_torchrun():
-        hydra_main()
+        errors.main(hydra_main)
     elif distributed.env_rank() > 0:
         follow_rank_zero()
     else:
         try:
-            hydra_main()
+            errors.main(hydra_main)
         finally:  # a config that did not compose: the other ranks must not wait for a job
             if not distributed.job_shared():
                 distributed.share_job(None)

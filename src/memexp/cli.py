@@ -7,11 +7,10 @@ import json
 import sys
 from pathlib import Path
 
-from hydra.errors import HydraException
-from omegaconf.errors import OmegaConfBaseException
-
+from memexp.errors import BAD_INPUT
+from memexp.errors import describe as describe_error
 from memexp.gpus import GPUS, gpu
-from memexp.result import mib, summary
+from memexp.result import summary
 
 
 def show(args: argparse.Namespace) -> int:
@@ -68,10 +67,8 @@ def find_batch(args: argparse.Namespace) -> int:
     from memexp.estimate import compose_config
     from memexp.find_batch import find_batch_size
 
-    search = find_batch_size(compose_config(args.overrides))
-    for probe in search.probes:
-        peak = mib(probe["peak_bytes"]) if probe["fits"] else "out of memory"
-        print(f"  batch {probe['batch_size']:>6}: {peak}")
+    search = find_batch_size(compose_config(args.overrides),
+                             show=lambda line: print(line, flush=True))
     print(f"memexp find-batch: data.batch_size={search.batch_size} is the largest that fits in "
           f"{search.limit}")
     return 0
@@ -90,7 +87,8 @@ def plan(args: argparse.Namespace) -> int:
                          "(with --target cuda, the --gpu's memory by default)")
     budget = budgets[0]
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
-    plans = planner.plan(arguments, budget, args.target, gpu_for(args))
+    plans = planner.plan(arguments, budget, args.target, gpu_for(args),
+                         show=lambda line: print(line, file=sys.stderr, flush=True))
     print(planner.describe(arguments, budget, plans))
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
@@ -148,11 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.handler(args)
-    except (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException) as error:
-        # Bad input, named by the check that failed (Hydra's own lists the valid options; its
-        # config search path is left out).
-        message = str(error).split("\nConfig search path")[0].strip()
-        print(f"memexp {args.command}: {message}", file=sys.stderr)
+    except BAD_INPUT as error:  # named by the check that failed, with the valid choices
+        print(f"memexp {args.command}: {describe_error(error)}", file=sys.stderr)
         return 2
 
 

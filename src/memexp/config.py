@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from memexp import data, loggers, models
 from memexp.techniques import bn_mode, checkpointing, optim, parallel, precision
@@ -185,4 +185,12 @@ def config_dir() -> Path:
     raise FileNotFoundError(f"memexp's conf/ folder is neither in {package} nor in the repo root")
 
 
+def option_groups() -> str:
+    """`group: option, ...` for every group in conf/ (`--help` lists them)."""
+    folders = sorted(p for p in config_dir().iterdir() if p.is_dir() and p.name != "hydra")
+    return "\n".join(f"{folder.name}: {', '.join(sorted(f.stem for f in folder.glob('*.yaml')))}"
+                     for folder in folders)
+
+
 register()
+OmegaConf.register_new_resolver("memexp_groups", option_groups, replace=True)

@@ -11,6 +11,7 @@ block, and the device counters are reset, so the next probe starts clean.
 from __future__ import annotations
 
 import gc
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ from omegaconf import DictConfig
 
 from memexp.distributed import env_world_size
 from memexp.loggers import NoLogger
+from memexp.result import mib
 from memexp.trainer import (
     Trainer,
     build,
@@ -38,7 +40,9 @@ class BatchSearch:
         return asdict(self)
 
 
-def find_batch_size(cfg: DictConfig) -> BatchSearch:
+def find_batch_size(cfg: DictConfig,
+                    show: Callable[[str], None] = lambda line: None) -> BatchSearch:
+    """The search; `show` gets a line for each probe as it ends."""
     if env_world_size() > 1:
         raise ValueError("data.batch_size=auto with several ranks: each would search alone. "
                          "Find it with one process (memexp find-batch), then set data.batch_size")
@@ -55,6 +59,7 @@ def find_batch_size(cfg: DictConfig) -> BatchSearch:
         peak = probe(with_batch_size(cfg, batch_size), device)
         search.probes.append({"batch_size": batch_size, "fits": peak is not None,
                               "peak_bytes": peak})
+        show(f"  batch {batch_size:>6}: {mib(peak) if peak is not None else 'out of memory'}")
         return peak is not None
 
     if not fits(1):

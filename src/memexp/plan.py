@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import itertools
 import shlex
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from omegaconf import DictConfig
@@ -109,23 +110,28 @@ def has_batch_norm(cfg: DictConfig) -> bool:
 
 
 def plan(arguments: list[str], budget: str, target: str = "cpu",
-         gpu: str = "h100") -> list[Plan]:
+         gpu: str = "h100",
+         show: Callable[[str], None] = lambda line: None) -> list[Plan]:
     """Every searched combination's cheapest fitting way to run, cheapest first (with, after
-    them, the ones that fit in no way, as `fits=False`)."""
+    them, the ones that fit in no way, as `fits=False`). `show` gets a line for each candidate
+    as it is estimated (estimates take seconds each)."""
     limit = parse_size(budget, "budget")
     fixed, searched = split_arguments(arguments)
     base = compose_config(fixed)
     batch = base.data.batch_size
     space = search_space(base, group_choice(fixed, "optim"), searched)
+    computed_options = list(itertools.product(space["precision"], space["optim"],
+                                              space["bn_mode"]))
+    kept_options = sorted(
+        ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
+         if batch % int(k) == 0),
+        key=lambda option: (option[0] != "none", option[0] == "offload", option[1]))
+    show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
+         f"candidates against {budget}, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
     plans = []
-    for precision, optim, bn_mode in itertools.product(
-            space["precision"], space["optim"], space["bn_mode"]):
+    for precision, optim, bn_mode in computed_options:
         computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
-        kept_options = sorted(
-            ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
-             if batch % int(k) == 0),
-            key=lambda option: (option[0] != "none", option[0] == "offload", option[1]))
         last = None
         for checkpointing, accumulate in kept_options:
             overrides = [*computed, f"checkpointing={checkpointing}",
@@ -139,6 +145,8 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
             last = Plan(overrides, precision, accumulate, result, recompute)
             last.fits = last.peak_bytes <= limit
+            show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
+                 + " ".join(overrides))
             if last.fits:
                 break
         if last is not None:

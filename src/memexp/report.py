@@ -23,11 +23,12 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig
 
 from memexp.memory.sizes import parse_size
-from memexp.result import CATEGORY_ORDER, GROUPS, mib
+from memexp.result import CATEGORY_ORDER, GROUPS, HALF_ON_CPU, half_precision_on_cpu, mib
 
 log = logging.getLogger("memexp")
 MIB = 2**20
 BASELINE = {"precision": "fp32", "checkpointing": "none", "bn_mode": "train"}
+HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
 
 
 def is_technique_key(key: str) -> bool:
@@ -181,13 +182,16 @@ def markdown_table(rows: list[Row]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
         r = csv_record(row)
-        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}"
+        mark = HALF_MARK if half_precision_on_cpu(row.result) else ""
+        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}{mark}"
                       if r["throughput"] is not None else "-")
         lines.append(
             f"| {row.job} | {row.label} | {row.status} | {fmt(r['peak_mib'], 1)} | "
             + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:5])
-            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])} | {throughput} | "
+            + f" | {fmt(r['memory_x_base'])} | {fmt(r['step_time_x_base'])}{mark} | {throughput} | "
             f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
+    if any(half_precision_on_cpu(row.result) for row in rows):
+        lines += ["", f"{HALF_MARK} {HALF_ON_CPU}."]
     return "\n".join(lines)
 
 
@@ -205,55 +209,9 @@ def budget_lines(choice: BudgetPick, rows: list[Row]) -> list[str]:
 
 
 def plot(rows: list[Row], sweep_dir: Path) -> list[Path]:
-    import matplotlib
+    from memexp.plots import write_plots  # matplotlib only when there is something to draw
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    done = [row for row in rows if row.ok]
-    paths = []
-    labels = [f"{row.job}: {row.label}" for row in done]
-
-    figure, axes = plt.subplots(figsize=(9, 0.45 * len(done) + 1.5))
-    left = [0.0] * len(done)
-    for category in CATEGORY_ORDER[:5]:
-        values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
-                  for row in done]
-        axes.barh(labels, values, left=left, label=category)
-        left = [a + b for a, b in zip(left, values, strict=True)]
-    axes.invert_yaxis()
-    axes.set_xlabel("MiB at the peak")
-    axes.set_title("Memory at the peak, by category")
-    axes.legend(loc="lower right", fontsize="small")
-    figure.tight_layout()
-    paths.append(sweep_dir / "memory_breakdown.png")
-    figure.savefig(paths[-1], dpi=110)
-    plt.close(figure)
-
-    units = {row.metrics.get("throughput_unit") for row in done}
-    speed_label = next(iter(units)) if len(units) == 1 else "speed vs baseline"
-    for name, ylabel, value in (
-        ("memory_vs_throughput.png", speed_label, lambda r: speed(r, rows)),
-        ("memory_vs_accuracy.png", "eval accuracy", lambda r: r.metrics.get("eval_accuracy")),
-    ):
-        points = [(row.peak / MIB, value(row)) for row in done if value(row) is not None]
-        kept = [row for row in done if value(row) is not None]
-        figure, axes = plt.subplots(figsize=(7, 5))
-        axes.scatter([x for x, _ in points], [y for _, y in points], color="tab:blue")
-        for (x, y), row in zip(points, kept, strict=True):
-            axes.annotate(row.job, (x, y), textcoords="offset points", xytext=(4, 4))
-        front = pareto_front(points)
-        axes.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-",
-                  color="tab:red", label="Pareto front (less memory, more " +
-                  ("accuracy)" if "accuracy" in name else "speed)"))
-        axes.set_xlabel("peak memory (MiB)")
-        axes.set_ylabel(ylabel)
-        axes.legend(fontsize="small")
-        figure.tight_layout()
-        paths.append(sweep_dir / name)
-        figure.savefig(paths[-1], dpi=110)
-        plt.close(figure)
-    return paths
+    return [chart.path for chart in write_plots(rows, sweep_dir)]
 
 
 @dataclass
@@ -280,7 +238,7 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
         "", table, ""]
     if choice is not None:
         lines += [*budget_lines(choice, rows), ""]
-    plots = plot(rows, sweep_dir) if any(row.ok for row in rows) else []
+    plots = plot(rows, sweep_dir)
     lines += [f"![{p.stem}]({p.name})" for p in plots]
     failures = [row for row in rows if row.status != "ok" and row.result.get("error")]
     if failures:

@@ -84,6 +84,32 @@ def record_killed(path: Path, overrides: list[str], reason: str) -> None:
     write_json_atomic(path, payload)
 
 
+HALF_ON_CPU = ("half precision on a CPU, where its kernels are emulated or slow: these step "
+               "times do not carry over to a GPU")
+
+
+def half_precision_on_cpu(result: dict) -> bool:
+    """A run that computed in float16 or bfloat16 (precision.dtype) on a CPU."""
+    dtype = ((result.get("config") or {}).get("precision") or {}).get("dtype")
+    device = (result.get("env") or {}).get("device_name")
+    return dtype in ("float16", "bfloat16") and device == "cpu"
+
+
+def error_message(error: str, most: int = 4) -> list[str]:
+    """The exception's own message from a formatted traceback (its lines after the last frame;
+    a text that is no traceback, such as a killed job's reason, as it is): its first lines and
+    its last, `most` in all."""
+    lines = error.strip().splitlines()
+    frames = [i for i, line in enumerate(lines) if line.startswith("  File ")]
+    start = frames[-1] + 1 if frames else 0
+    while start < len(lines) and lines[start].startswith("    "):  # the frame's code lines
+        start += 1
+    message = lines[start:] or lines[-1:]
+    if len(message) <= most:
+        return message
+    return [*message[:most - 2], f"... ({len(message) - most + 1} more lines)", message[-1]]
+
+
 def mib(nbytes: int | None) -> str:
     """A size for people: GiB from 1 GiB up, else MiB."""
     if nbytes is None:
@@ -139,6 +165,7 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if result.get("failed_rank") is not None:
         lines.append(f"  failed rank  {result['failed_rank']} (its traceback is the error)")
     if result.get("error"):
-        lines.append("  error        " + result["error"].strip().splitlines()[-1])
+        message = error_message(result["error"])
+        lines.append("  error        " + "\n               ".join(message))
     lines.append(f"  result       {Path(run_dir) / 'result.json'}")
     return "\n".join(lines)

@@ -26,6 +26,7 @@ from memexp.data import Batch, TensorData
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
+from memexp.progress import progress_lines
 from memexp.techniques import check_combination
 
 log = logging.getLogger("memexp")
@@ -194,6 +195,9 @@ class Trainer:
         self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
         self.metrics = Metrics()
+        # Off a terminal, where tqdm's bar is hidden: a progress line every few seconds.
+        self.progress = progress_lines(cfg.trainer.max_steps,
+                                       cfg.trainer.progress and self.parallel.rank == 0)
 
     def to_device(self, batch: Batch) -> Batch:
         inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
@@ -281,6 +285,7 @@ class Trainer:
                             f"{step}: {loss}); trainer.max_bad_steps={max_bad_steps}")
                     self.release_cached_memory("step")
                     bar.update()
+                    self.progress.step(step, loss)
                     last = step == max_steps
                     if last or (eval_every and step % eval_every == 0):
                         metrics.eval_accuracy = self.evaluate()

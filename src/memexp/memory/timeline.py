@@ -60,11 +60,11 @@ class Timeline:
             axes.stackplot(ops, *stacks, labels=COLUMNS[2:6], step="post")
             axes.plot(ops, [p[6] / 2**20 for p in self.points], color="black", lw=0.8,
                       ls="--", label="offloaded (host)")
-        axes.set_xlabel("op")
-        axes.set_ylabel("live MiB")
-        axes.set_title("live tensor memory by category (memory.snapshot)")
-        axes.legend(loc="upper left", fontsize=8)
-        figure.tight_layout()
-        figure.savefig(plot, dpi=110)
+        axes.set_xlabel("op (the run's tensor operations, in order)")
+        axes.set_ylabel("live tensor memory (MiB)")
+        axes.set_title("Live tensor memory by category over the run (memory.snapshot)")
+        # outside the data, on the right: inside it covered the first peak
+        axes.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+        figure.savefig(plot, dpi=110, bbox_inches="tight")
         plt.close(figure)
         return [table, plot]

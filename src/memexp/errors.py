@@ -1,0 +1,93 @@
+"""Bad input, told once: what was wrong and what is valid, in a few lines, with no traceback.
+
+Left to itself, Hydra prints a composition error with its config search path. A run's own check
+(a technique's ValueError) comes out three times: in the run's summary, as "Error executing job",
+and at the end of a traceback. `train.py` goes through `main` below instead: a composition error
+becomes `memexp: <what>` plus the valid choices, and a run that stopped on bad input ends with
+its summary alone (its `error` line says what was wrong; the traceback is in result.json).
+`HYDRA_FULL_ERROR=1` still gives Hydra's own report, traceback and all. `memexp`'s subcommands
+describe their errors with `describe` too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+FULL_ERROR = "HYDRA_FULL_ERROR"
+# What a run's own checks raise about its config: a value or a path (memexp's techniques and
+# data readers), or something Hydra or OmegaConf could not build or resolve.
+BAD_INPUT = (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
+# True while `main` has set HYDRA_FULL_ERROR itself (the user did not).
+_borrowed = False
+
+
+def full_error_wanted() -> bool:
+    """The user set HYDRA_FULL_ERROR=1: Hydra's full report, traceback and all."""
+    return os.environ.get(FULL_ERROR) == "1" and not _borrowed
+
+
+def describe(error: BaseException) -> str:
+    """The message of a bad-input error, and the valid choices where they are known."""
+    cause = error.__cause__
+    if isinstance(error, MissingConfigException) and error.options:
+        group, _, name = (error.missing_cfg_file or "").rpartition("/")
+        return (f"{group}={name}: there is no such option\n"
+                f"  valid choices for {group}: {', '.join(error.options)}")
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.parent_node is not None:
+        node, _, key = (cause.full_key or "").rpartition(".")
+        keys = [str(k) for k in cause.parent_node if k != "hydra"]
+        return (f"{cause.full_key}: {node or 'the config'} has no key '{key}'\n"
+                f"  valid keys of {node or 'the config'}: {', '.join(keys)}")
+    if isinstance(error, OverrideParseException):
+        return (f"{error.override}: not a valid override. Quote values with characters such "
+                "as ~ or spaces, the whole argument in single quotes and the value in double "
+                "ones:\n  'key=\"~/my folder\"'")
+    if isinstance(cause, OmegaConfBaseException):
+        # "Error merging override <override>" above OmegaConf's "<what> / full_key: ..." lines
+        override = str(error).removeprefix("Error merging override ")
+        return f"{override}: {first_line(str(cause))}"
+    # Hydra's own messages list the options; its config search path is noise to a user.
+    return str(error).split("\nConfig search path")[0].strip()
+
+
+def first_line(text: str) -> str:
+    return text.strip().splitlines()[0] if text.strip() else text
+
+
+def main(hydra_main: Callable[[], None]) -> None:
+    """Run a `hydra.main` function; bad config input ends it with `memexp: <what>` (exit 1)."""
+    global _borrowed
+    if full_error_wanted():
+        hydra_main()
+        return
+    # HYDRA_FULL_ERROR makes Hydra re-raise instead of printing its own report, so that the
+    # error reaches this function whole.
+    before, os.environ[FULL_ERROR], _borrowed = os.environ.get(FULL_ERROR), "1", True
+    try:
+        hydra_main()
+    except (HydraException, OmegaConfBaseException) as error:
+        sys.exit(f"memexp: {describe(error)}")
+    finally:
+        os.environ.pop(FULL_ERROR)
+        if before is not None:
+            os.environ[FULL_ERROR] = before
+        _borrowed = False
+
+
+@contextmanager
+def summarized_bad_input() -> Iterator[None]:
+    """Around a single run whose failures its summary has told already: one that stopped on
+    bad input exits 1 with nothing more. Any other error keeps its traceback."""
+    if full_error_wanted():
+        yield
+        return
+    try:
+        yield
+    except BAD_INPUT:
+        raise SystemExit(1) from None

@@ -1,0 +1,250 @@
+"""The sweep report's plots, made to be read without report.md.
+
+- `memory_breakdown.png`: each job's memory at its peak, by category. Jobs that ran out of memory,
+  failed or were killed are hatched bars with their status where their peak is known; a note
+  under the chart names the jobs whose peak is not known.
+- `memory_vs_throughput.png`, `memory_vs_accuracy.png`: one point per successful job, labelled
+  with the overrides that vary across the sweep, and the Pareto front. The throughput axis is
+  logarithmic when its values span more than 10x.
+
+Every chart has a title and units, and its legend and notes outside the data. Labels are placed
+by `place_labels`, a small deterministic search that keeps them apart.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from textwrap import shorten
+
+from memexp.report import MIB, Row, pareto_front, speed
+from memexp.result import CATEGORY_ORDER, error_message
+
+DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
+LOG_SPAN = 10  # a value axis whose largest value is more than this times its smallest is log
+Box = tuple[float, float, float, float]  # left, bottom, right, top, in pixels
+
+
+@dataclass
+class Chart:
+    """A written plot: its file and the words on it (title, axis labels, data labels, notes)."""
+
+    path: Path
+    title: str
+    axes: tuple[str, str]  # x, y
+    labels: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+
+# -- label placement ----------------------------------------------------------------------------
+# Where a label may go, nearest first: rings around its point, and on each ring eight
+# directions (up-right first, the usual spot).
+RADII = (8, 16, 28, 44, 64, 90, 120)
+DIRECTIONS = ((1, 1), (1, -1), (-1, 1), (-1, -1), (1, 0), (-1, 0), (0, 1), (0, -1))
+
+
+def overlap(a: Box, b: Box) -> float:
+    width = min(a[2], b[2]) - max(a[0], b[0])
+    height = min(a[3], b[3]) - max(a[1], b[1])
+    return width * height if width > 0 and height > 0 else 0.0
+
+
+def candidate(anchor: tuple[float, float], size: tuple[float, float], radius: float,
+              direction: tuple[int, int]) -> Box:
+    """The box of `size` whose side facing `anchor` is `radius` pixels from it."""
+    (x, y), (width, height), (dx, dy) = anchor, size, direction
+    left = x + dx * radius - (width if dx < 0 else width / 2 if dx == 0 else 0)
+    bottom = y + dy * radius - (height if dy < 0 else height / 2 if dy == 0 else 0)
+    return left, bottom, left + width, bottom + height
+
+
+def place_labels(anchors: Sequence[tuple[float, float]], sizes: Sequence[tuple[float, float]],
+                 bounds: Box, marker: float = 5.0) -> list[Box]:
+    """A box for each label near its anchor, all in pixels. Labels are placed in order; each
+    takes the nearest spot that overlaps no label placed before it, covers no point (a square
+    of `marker` pixels each way) and stays within `bounds`; where no spot is free, the one that
+    overlaps least. The same input always gives the same boxes."""
+    points = [(x - marker, y - marker, x + marker, y + marker) for x, y in anchors]
+    placed: list[Box] = []
+    for anchor, size in zip(anchors, sizes, strict=True):
+        best: tuple[float, Box] | None = None
+        for radius in RADII:
+            for direction in DIRECTIONS:
+                box = candidate(anchor, size, radius, direction)
+                area = (box[2] - box[0]) * (box[3] - box[1])
+                cost = (sum(overlap(box, other) for other in (*placed, *points))
+                        + 10 * (area - overlap(box, bounds)))  # leaving the axes is worse
+                if best is None or cost < best[0]:
+                    best = (cost, box)
+                if cost == 0:
+                    break
+            if best[0] == 0:
+                break
+        placed.append(best[1])
+    return placed
+
+
+# -- labels -------------------------------------------------------------------------------------
+def labels_of(rows: Sequence[Row]) -> list[str]:
+    """What tells each job apart: its varying overrides, one per line (all its overrides where
+    nothing varies); the job number only where two jobs share the same overrides."""
+    texts = [row.label.replace(" ", "\n") if row.label != "-"
+             else " ".join(row.result.get("overrides") or ["defaults"]) for row in rows]
+    counts = Counter(texts)
+    return [f"{text} (job {row.job})" if counts[text] > 1 else text
+            for text, row in zip(texts, rows, strict=True)]
+
+
+def status_of(row: Row) -> str:
+    """What became of a job that did not succeed, in a few words."""
+    oom = row.memory.get("oom")
+    if oom:
+        return f"out of memory in {oom['phase'] or 'an unknown phase'} at step {oom['step']}"
+    if row.status == "nan":
+        return "nan: the loss was not finite"
+    error = error_message(row.result.get("error") or "")
+    return f"{row.status}: {shorten(error[0], 60)}" if error and error[0] else row.status
+
+
+# -- the charts -------------------------------------------------------------------------------
+def write_plots(rows: list[Row], sweep_dir: Path) -> list[Chart]:
+    """The charts there is data for, written into `sweep_dir`."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    charts = []
+    if any(row.peak is not None for row in rows):
+        charts.append(breakdown_chart(rows, sweep_dir / "memory_breakdown.png"))
+    units = {row.metrics.get("throughput_unit") for row in rows if row.ok}
+    unit = next(iter(units)) if len(units) == 1 else None
+    scatters = (  # file, y axis, what it shows, its value, log scale when wide
+        ("memory_vs_throughput.png", f"throughput ({unit})" if unit else
+         "speed against its baseline (x)", "throughput" if unit else "speed",
+         lambda row: speed(row, rows) or None, True),
+        ("memory_vs_accuracy.png", "eval accuracy (fraction correct)", "accuracy",
+         lambda row: row.metrics.get("eval_accuracy"), False),
+    )
+    for name, axis, what, value, log_when_wide in scatters:
+        if any(row.ok and value(row) is not None for row in rows):
+            charts.append(scatter_chart(rows, sweep_dir / name, axis, what, value,
+                                        log_when_wide))
+    return charts
+
+
+def breakdown_chart(rows: list[Row], path: Path) -> Chart:
+    import matplotlib.pyplot as plt
+    from matplotlib.colors import to_rgba
+    from matplotlib.patches import Patch
+
+    drawn = [row for row in rows if row.peak is not None]
+    unknown = [row for row in rows if row.peak is None]
+    labels = labels_of(drawn)
+    figure, axes = plt.subplots(figsize=(9, 0.5 * len(drawn) + 1.6), dpi=DPI)
+    positions = range(len(drawn))
+    left = [0.0] * len(drawn)
+    for number, category in enumerate(CATEGORY_ORDER[:5]):
+        values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
+                  for row in drawn]
+        faded = [to_rgba(f"C{number}", 1.0 if row.status == "ok" else 0.35) for row in drawn]
+        axes.barh(positions, values, left=left, height=0.7, color=faded)
+        left = [a + b for a, b in zip(left, values, strict=True)]
+    # Each bar's outline is its peak. Jobs that did not succeed are faded and hatched, with
+    # their status at the end of the bar.
+    widest = max(row.peak / MIB for row in drawn)
+    for position, row in zip(positions, drawn, strict=True):
+        failed = row.status != "ok"
+        axes.barh(position, row.peak / MIB, height=0.7, fill=False, hatch="//" if failed else "",
+                  edgecolor="black", linewidth=1.2 if failed else 0.6)
+        if failed:
+            axes.text(row.peak / MIB + 0.01 * widest, position, status_of(row), va="center",
+                      fontsize=8, color="tab:red")
+    axes.set_yticks(list(positions), labels=labels, fontsize=8)
+    axes.invert_yaxis()
+    axes.set_xlim(0, widest * (1.45 if any(row.status != "ok" for row in drawn) else 1.05))
+    axes.set_xlabel("memory at the job's peak (MiB)")
+    axes.set_title(f"Memory at the peak, by category: sweep {path.parent.name}")
+    categories = [Patch(color=f"C{number}", label=category)  # unfaded, whichever bar is first
+                  for number, category in enumerate(CATEGORY_ORDER[:5])]
+    axes.legend(handles=categories, loc="upper left", bbox_to_anchor=(1.01, 1),
+                fontsize="small", title="category", title_fontsize="small")
+    return save(figure, axes, path, labels, breakdown_notes(drawn, unknown))
+
+
+def breakdown_notes(drawn: list[Row], unknown: list[Row]) -> list[str]:
+    notes = []
+    if any(row.status != "ok" for row in drawn):
+        notes.append("Faded and hatched: the job did not succeed; the bar is what it reached.")
+    if unknown:
+        notes.append("No peak known, not drawn: " + "; ".join(
+            f"job {row.job} ({label.replace(chr(10), ' ')}): {row.status}"
+            for row, label in zip(unknown, labels_of(unknown), strict=True)))
+    return notes
+
+
+def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
+                  value: Callable[[Row], float | None], log_when_wide: bool) -> Chart:
+    import matplotlib.pyplot as plt
+
+    shown = [row for row in rows if row.ok and value(row) is not None]
+    points = [(row.peak / MIB, value(row)) for row in shown]
+    labels = labels_of(shown)
+    figure, axes = plt.subplots(figsize=(8, 5.5), dpi=DPI)
+    figure.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.12)
+    ys = [y for _, y in points]
+    logarithmic = log_when_wide and min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
+    if logarithmic:
+        axes.set_yscale("log")
+    axes.scatter([x for x, _ in points], ys, color="tab:blue", zorder=3)
+    front = pareto_front(points)
+    axes.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-",
+              color="tab:red", markerfacecolor="none", markersize=11, zorder=2,
+              label=f"Pareto front: no other job has both less memory and more {what}")
+    axes.margins(x=0.25, y=0.2)
+    axes.set_xlabel("peak memory (MiB)")
+    axes.set_ylabel(axis + (", log scale" if logarithmic else ""))
+    axes.set_title(f"Peak memory vs {what}: sweep {path.parent.name}")
+    annotate(figure, axes, points, labels)
+    axes.legend(loc="upper left", bbox_to_anchor=(0, -0.1), fontsize="small")
+    left_out = [row for row in rows if row not in shown]
+    notes = ["Not shown: " + "; ".join(
+        f"{label.replace(chr(10), ' ')} ({row.status if row.status != 'ok' else f'no {what}'})"
+        for row, label in zip(left_out, labels_of(left_out), strict=True))] if left_out else []
+    return save(figure, axes, path, labels, notes, notes_below=70)
+
+
+def annotate(figure, axes, points: list[tuple[float, float]], labels: list[str]) -> None:
+    """Each point's label, where `place_labels` puts it; a thin line to its point when it had
+    to move away."""
+    texts = [axes.annotate(label, xy=point, xytext=(0, 0), textcoords="offset pixels",
+                           fontsize=8, ha="left", va="bottom", zorder=4)
+             for point, label in zip(points, labels, strict=True)]
+    figure.canvas.draw()  # the axes' final limits, and the texts' sizes
+    renderer = figure.canvas.get_renderer()
+    sizes = [tuple(text.get_window_extent(renderer).size) for text in texts]
+    anchors = [tuple(p) for p in axes.transData.transform(points)]
+    boxes = place_labels(anchors, sizes, tuple(axes.get_window_extent(renderer).extents))
+    for text, point, (x, y), box in zip(texts, points, anchors, boxes, strict=True):
+        text.set_position((box[0] - x, box[1] - y))
+        # the label's nearest edge, from the point
+        edge = (min(max(x, box[0]), box[2]) - x, min(max(y, box[1]), box[3]) - y)
+        if max(map(abs, edge)) > RADII[1]:
+            axes.annotate("", xy=point, xytext=edge, textcoords="offset pixels", zorder=1,
+                          arrowprops={"arrowstyle": "-", "color": "0.6", "lw": 0.6,
+                                      "shrinkA": 1, "shrinkB": 5})
+
+
+def save(figure, axes, path: Path, labels: list[str], notes: list[str],
+         notes_below: float = 40) -> Chart:
+    """Write the figure, with `notes` under the axes (`notes_below` points down)."""
+    import matplotlib.pyplot as plt
+
+    if notes:
+        axes.annotate("\n".join(notes), xy=(0, 0), xycoords="axes fraction",
+                      xytext=(0, -notes_below), textcoords="offset points", va="top",
+                      fontsize=8, wrap=True)
+    # bbox_inches="tight" widens the image to the legend and notes outside the axes
+    figure.savefig(path, dpi=DPI, bbox_inches="tight")
+    plt.close(figure)
+    return Chart(path, axes.get_title(), (axes.get_xlabel(), axes.get_ylabel()), labels, notes)

@@ -1,0 +1,73 @@
+"""Bad input told in a few lines, with the valid choices (memexp.errors), on the real configs'
+real composition errors; HYDRA_FULL_ERROR=1 still gets the whole exception."""
+
+from __future__ import annotations
+
+import os
+import traceback
+
+import pytest
+from hydra.errors import HydraException
+
+from memexp import errors
+from memexp.result import error_message
+
+from conftest import compose_train
+
+
+def composition_error(*overrides: str) -> HydraException:
+    with pytest.raises(HydraException) as raised:
+        compose_train(*overrides)
+    return raised.value
+
+
+@pytest.mark.parametrize(("override", "told"), [
+    ("model.widht=3", "model.widht: model has no key 'widht'\n  valid keys of model: _target_, "
+                      "num_classes, in_channels, width, blocks_per_stage, inplace"),
+    ("trainer.device=tpu", "trainer.device=tpu: Invalid value 'tpu', expected one of "
+                           "[auto, cpu, cuda]"),
+    ("experiment=nope", "experiment=nope: there is no such option\n  valid choices for "
+                        "experiment: amp_models, bn_accumulation, checkpointing_transformer, "),
+    ("data.root=~/datasets", "data.root=~/datasets: not a valid override. Quote values with "
+                             "characters such as ~"),
+])
+def test_composition_errors_are_the_message_and_the_valid_choices(override, told):
+    message = errors.describe(composition_error(override))
+    assert message.startswith(told) and len(message.splitlines()) <= 2
+
+
+def test_main_tells_bad_input_in_its_own_words_unless_hydra_full_error(monkeypatch):
+    def bad_main():
+        compose_train("precision=bogus")
+
+    monkeypatch.delenv(errors.FULL_ERROR, raising=False)
+    with pytest.raises(SystemExit) as exited:
+        errors.main(bad_main)
+    assert str(exited.value).startswith("memexp: precision=bogus: there is no such option")
+    assert errors.FULL_ERROR not in os.environ  # borrowed, and given back
+    monkeypatch.setenv(errors.FULL_ERROR, "1")
+    with pytest.raises(HydraException):  # the user's HYDRA_FULL_ERROR=1: Hydra's own report
+        errors.main(bad_main)
+    with pytest.raises(ValueError), errors.summarized_bad_input():
+        raise ValueError("kept whole for the traceback")
+
+
+def test_after_its_summary_a_run_that_stopped_on_bad_input_just_exits(monkeypatch):
+    monkeypatch.delenv(errors.FULL_ERROR, raising=False)
+    with pytest.raises(SystemExit) as exited, errors.summarized_bad_input():
+        raise ValueError("optim.lr=-1.0: the learning rate must be positive")
+    assert exited.value.code == 1
+    with pytest.raises(RuntimeError), errors.summarized_bad_input():  # a crash keeps its traceback
+        raise RuntimeError("a bug")
+
+
+def test_a_runs_summary_shows_the_whole_message_of_its_error_not_its_last_line():
+    try:
+        raise FileNotFoundError("data.root=x: nothing there. Put these files in x:\n  a\n  b\n  c\n"
+                                "  d\nor point data.root at the folder that holds them.")
+    except FileNotFoundError as error:
+        formatted = "".join(traceback.format_exception(error))
+    assert error_message(formatted) == [
+        "FileNotFoundError: data.root=x: nothing there. Put these files in x:", "  a",
+        "... (3 more lines)", "or point data.root at the folder that holds them."]
+    assert error_message("rank 1 was killed (exit code -9)") == ["rank 1 was killed (exit code -9)"]
