@@ -14,10 +14,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from omegaconf import OmegaConf
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memexp import cli, cudatrace, fakecuda
-from memexp.estimate import compose_config
+from memexp.estimate import compose_config, with_storage
 from memexp.gpus import GPUS, LAZY_CONTEXT, gpu
 
 from conftest import CPU_SMALL
@@ -111,6 +114,20 @@ def test_an_unchanged_source_is_not_rebuilt(libraries):
     built = (libraries / fakecuda.RUNTIME).stat().st_mtime_ns
     assert fakecuda.build(libraries.parent) == libraries
     assert (libraries / fakecuda.RUNTIME).stat().st_mtime_ns == built
+
+
+# -- the model of an estimate: built on meta, given fake storage ---------------------------------
+def test_an_estimate_s_model_keeps_its_tied_weights():
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100, bias=False))
+        model[1].weight = model[0].weight  # tied, as GPT-2's output head is to its embedding
+        model.register_buffer("scale", torch.ones(3))
+    with FakeTensorMode():
+        model = with_storage(model)
+    assert model[1].weight is model[0].weight
+    assert sum(p.numel() for p in model.parameters()) == 800  # counted once
+    assert all(isinstance(t, FakeTensor) and t.device.type == "cpu"
+               for t in [*model.parameters(), *model.buffers()])
 
 
 # -- the CPU stand-in (no CUDA build) -------------------------------------------------------------

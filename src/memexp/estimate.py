@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
@@ -180,7 +181,7 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     with torch.device("meta"):
         model = build_model(cfg.model)
     with fake, _UnknownValues(fake), ExitStack() as modes:
-        trainer = Trainer(cfg, allocator=allocator, data=data, model=model.to_empty(device="cpu"))
+        trainer = Trainer(cfg, allocator=allocator, data=data, model=with_storage(model))
         flops.phase = lambda: trainer.meter.tracker.phase
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
@@ -202,6 +203,27 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         gpu=None if device is None else device.key,
         ops={phase: {op: sorted(dtypes) for op, dtypes in sorted(ops.items())}
              for phase, ops in flops.ops.items()})
+
+
+def with_storage(model: nn.Module) -> nn.Module:
+    """`model`'s meta tensors replaced by uninitialised CPU ones (fake, under FakeTensorMode),
+    keeping tied weights tied: one tensor shared by two modules (GPT-2's embedding and output
+    head) gets one replacement. `Module.to_empty` would give each module its own."""
+    replaced: dict[int, torch.Tensor] = {}
+
+    def replacement(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in replaced:
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype)
+            replaced[id(tensor)] = (nn.Parameter(empty, tensor.requires_grad)
+                                    if isinstance(tensor, nn.Parameter) else empty)
+        return replaced[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = replacement(tensor)
+    return model
 
 
 def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspaces: int,
