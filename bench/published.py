@@ -19,14 +19,20 @@ named: set with a memexp option where there is one (2022's Trainer kept gradient
 `optim.keep_grads=true`, and stepped AdamW parameter by parameter, `optim.foreach=false`), else
 added as its own term (DDP's buckets), never folded in silently.
 
-    python bench/published.py [--source KEY]     (about 15 minutes on 2 cores with .venv-cuda)
+    python bench/published.py [--source KEY]     (about 40 minutes on 2 busy cores, .venv-cuda)
+    python bench/published.py --traces           the same run traced three ways
+
+`--traces` shows what the CUDA trace sees that the CPU stand-in does not: two models at 1024
+tokens, estimated for an H100 and a V100 in the CUDA build, and by the CPU stand-in.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Callable
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 from memexp.estimate import Estimate, compose_config, estimate
@@ -146,7 +152,7 @@ SOURCES = (
             ("no checkpointing", (), 26012),
             ("checkpointing the first 10 of 24 layers",
              ("checkpointing=modules", "checkpointing.modules=["
-              + ",".join(f"vit.encoder.layer.{i}" for i in range(10)) + "]"), 17842),
+              + ",".join(f"vit.layers.{i}" for i in range(10)) + "]"), 17842),
         ),
         extras=(ddp_buckets,),
         notes=("GPU assumed A100 80GB (26 GB allocated; fp32 attention takes torch's "
@@ -267,11 +273,61 @@ def describe_sources(sources: tuple[Source, ...]) -> str:
     return "\n".join(lines)
 
 
+# One config per row block of `--traces`, each at 1024 tokens, batch 8, amp.
+TRACED = {
+    "memexp transformer (4 layers, d_model 512)": (
+        "model=transformer", "model.n_layers=4", "model.d_model=512", "model.n_heads=8",
+        "data.seq_len=1024", "data.batch_size=8", "data.num_train=64", "data.num_eval=16"),
+    "Hugging Face GPT-2 (4 layers), padded batches": (
+        "model=hf", "model.arch=gpt2", "model.task=causal_lm", "+model.config.n_layer=4",
+        "data.seq_len=1024", "data.batch_size=8"),
+}
+
+
+@contextmanager
+def cpu_stand_in():
+    """Estimates in this block trace the CPU kernels, as where no CUDA build is installed."""
+    previous = os.environ.get("MEMEXP_CUDA_PYTHON")
+    os.environ["MEMEXP_CUDA_PYTHON"] = "none"
+    try:
+        yield
+    finally:
+        if previous is None:
+            del os.environ["MEMEXP_CUDA_PYTHON"]
+        else:
+            os.environ["MEMEXP_CUDA_PYTHON"] = previous
+
+
+def traces() -> str:
+    """Each TRACED config three ways: the CUDA build on a fake H100 and a fake V100, and the
+    CPU stand-in (MEMEXP_CUDA_PYTHON=none) for the H100."""
+    lines = ["| config | traced as | attention kernel | allocated MiB | reserved MiB |",
+             "|---|---|---|---:|---:|"]
+    for name, overrides in TRACED.items():
+        cfg = compose_config([*overrides, "precision=amp"])
+        for gpu, stand_in in (("h100", False), ("v100-16gb", False), ("h100", True)):
+            with cpu_stand_in() if stand_in else nullcontext():
+                result = estimate(cfg, "cuda", gpu)
+            attention = ", ".join(op.removeprefix("aten.") for op in result.ops["forward"]
+                                  if op.startswith("aten._scaled_dot_product_")) or "math"
+            memory = result.memory
+            lines.append(f"| {name} | {result.trace}, {gpu} | {attention} | "
+                         f"{memory['allocated_peak_bytes'] / MIB:,.1f} | "
+                         f"{memory['reserved_peak_bytes'] / MIB:,.1f} |")
+            print(lines[-1], flush=True)
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--source", choices=[s.key for s in SOURCES], action="append",
                         help="only these sources (repeatable)")
+    parser.add_argument("--traces", action="store_true",
+                        help="one config traced three ways, instead of the sources")
     args = parser.parse_args()
+    if args.traces:
+        print(traces())
+        return
     sources = tuple(s for s in SOURCES if not args.source or s.key in args.source)
     results = [r for source in sources for r in run(source)]
     print()
