@@ -1,4 +1,5 @@
-"""Every technique against its baseline, on the ResNet and on the transformer, on CPU.
+"""Every technique against its baseline, on the ResNet, the transformer and two Hugging Face
+models (GPT-2 and BERT from configs, random weights), on CPU.
 
 For each row:
 - peak bytes and activation bytes (the meter's overall peak and its running peak of live
@@ -11,7 +12,7 @@ For each row:
   against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
-    python bench/techniques.py [--model resnet|transformer|all] [--rounds 5]
+    python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|all] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -36,6 +37,17 @@ MODELS = {
     # Eight layers: one recomputed block is then an eighth of the model. (model=transformer
     # brings optim=adamw; plain SGD keeps every row one change away from the baseline.)
     "transformer": ("model=transformer", "model.n_layers=8", "data.batch_size=16", "optim=sgd"),
+    # transformers' own GPT-2 and BERT, through the generic path (no adapter): 4 layers at width
+    # 128, a 4k vocabulary, 128 tokens. loss=model is their own loss.
+    "hf-gpt2": ("model=hf", "model.arch=gpt2", "model.task=causal_lm", "+model.config.n_layer=4",
+                "+model.config.n_embd=128", "+model.config.n_head=4",
+                "+model.config.vocab_size=4096", "data.seq_len=128", "data.batch_size=8",
+                "optim=sgd"),
+    "hf-bert": ("model=hf", "model.arch=bert", "model.task=sequence_classification",
+                "+model.config.num_hidden_layers=4", "+model.config.hidden_size=128",
+                "+model.config.num_attention_heads=4", "+model.config.intermediate_size=512",
+                "+model.config.vocab_size=4096", "data.seq_len=128", "data.batch_size=8",
+                "optim=sgd"),
 }
 
 
@@ -59,7 +71,6 @@ def rows_for(model: str) -> list[Row]:
                                                    "precision.master_weights=true")),
         Row("checkpointing=full", ("checkpointing=full",)),
         Row("checkpointing=selective every=2", ("checkpointing=selective",)),
-        Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)),
         Row("checkpointing=offload", ("checkpointing=offload",)),
         Row("optim=sgd_momentum", ("optim=sgd_momentum",), ref=None),
         Row("optim=adamw", ("optim=adamw",), ref=None),
@@ -71,6 +82,11 @@ def rows_for(model: str) -> list[Row]:
     batch = int(next(o for o in MODELS[model] if o.startswith("data.batch_size")).split("=")[1])
     rows.append(Row("optim.accumulate=4 (batch/4)",
                     ("optim.accumulate=4", f"data.batch_size={batch // 4}")))
+    if not model.startswith("hf-"):  # HF models loop over an nn.ModuleList: refused
+        rows.insert(7, Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)))
+    else:
+        rows.insert(7, Row("the library's own gradient checkpointing",
+                           ("model.gradient_checkpointing=true",)))
     if model == "resnet":
         rows += [
             Row("bn_mode=eval", ("bn_mode=eval",), ref=None),

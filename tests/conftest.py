@@ -16,6 +16,15 @@ from memexp.config import config_dir
 REPO = Path(__file__).resolve().parents[1]
 # Small, quiet runs: tests check behaviour, not speed.
 CPU_SMALL = ["trainer.device=cpu", "trainer.progress=false", "trainer.warmup_steps=1"]
+# Hugging Face models from small configs (random weights, nothing downloaded), on small data.
+HF_DATA = ("data.batch_size=4", "data.num_train=32", "data.num_eval=8", "data.seq_len=32")
+HF_GPT2 = ("model=hf", "model.arch=gpt2", "model.task=causal_lm", "+model.config.n_layer=2",
+           "+model.config.n_embd=32", "+model.config.n_head=2", "+model.config.vocab_size=64",
+           "+model.config.n_positions=64", *HF_DATA)
+HF_BERT = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
+           "+model.config.num_hidden_layers=2", "+model.config.hidden_size=32",
+           "+model.config.num_attention_heads=2", "+model.config.intermediate_size=64",
+           "+model.config.vocab_size=64", "+model.config.max_position_embeddings=64", *HF_DATA)
 
 
 def compose_train(*overrides: str) -> DictConfig:

@@ -65,8 +65,8 @@ def test_nested_module_names_and_an_empty_list_are_refused():
         Trainer(compose_train(*RESNET, "checkpointing=modules", "checkpointing.modules=[]"))
 
 
-def test_block_options_need_the_blocks_contract():
-    with pytest.raises(TypeError, match="no `blocks` nn.Sequential"):
+def test_block_options_say_what_to_name_when_no_blocks_repeat():
+    with pytest.raises(ValueError, match="checkpointing.blocks=.auto. found no repeated blocks"):
         Trainer(compose_train("model=custom", "model._target_=torch.nn.Flatten",
                               "checkpointing=full"))
 

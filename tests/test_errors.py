@@ -27,7 +27,7 @@ def composition_error(*overrides: str) -> HydraException:
     ("trainer.device=tpu", "trainer.device=tpu: Invalid value 'tpu', expected one of "
                            "[auto, cpu, cuda]"),
     ("experiment=nope", "experiment=nope: there is no such option\n  valid choices for "
-                        "experiment: amp_models, bn_accumulation, checkpointing_transformer, "),
+                        "experiment: amp_bert, amp_models, bn_accumulation, "),
     ("data.root=~/datasets", "data.root=~/datasets: not a valid override. Quote values with "
                              "characters such as ~"),
 ])

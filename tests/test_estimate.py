@@ -13,7 +13,7 @@ from memexp.memory.allocator import CachingAllocatorModel
 from memexp.plan import plan
 from memexp.trainer import Trainer
 
-from conftest import CPU_SMALL, compose_train
+from conftest import CPU_SMALL, HF_BERT, HF_GPT2, compose_train
 
 MIB = 2**20
 SMALL_RESNET = ("model.width=8", "model.blocks_per_stage=[1,1,1,1]", "data.image_size=16",
@@ -37,6 +37,9 @@ CASES = {
     "gpt selective in_backward": (*SMALL_GPT, "checkpointing=selective", "optim.in_backward=true"),
     "gpt adamw_8bit accumulate": (*SMALL_GPT, "optim=adamw_8bit", "optim.accumulate=2"),
     "mlp sgd_momentum accumulate": ("model=mlp", "optim=sgd_momentum", "optim.accumulate=2"),
+    # Hugging Face models, with their own loss and mapping batches
+    "hf gpt2 full bf16": (*HF_GPT2, "checkpointing=full", "precision=bf16"),
+    "hf bert adamw": HF_BERT,
 }
 
 

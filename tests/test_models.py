@@ -1,4 +1,4 @@
-"""Built-in models: shapes, the blocks contract, and user models through model=custom."""
+"""Built-in models: shapes, the blocks the resolver finds in them, and user models."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from hydra.utils import instantiate
 from torch import nn
 
-from memexp.models import MLP, ResNet, Transformer, blocks_of
+from memexp.models import MLP, ResNet, Transformer, resolve_blocks
 
 from conftest import compose_train, first_step_gradients, max_relative_error, step_memory
 
@@ -27,22 +27,22 @@ def test_resnet18_has_the_published_size():
     ],
     ids=["resnet", "mlp", "transformer"],
 )
-def test_forward_shapes_and_blocks_contract(model, inputs, logits):
+def test_forward_shapes_and_auto_blocks(model, inputs, logits):
     assert model(inputs).shape == logits
-    blocks = blocks_of(model)
-    assert isinstance(blocks, nn.Sequential) and len(blocks) >= 2
+    found = resolve_blocks(model, ["auto"], "checkpointing.blocks")
+    assert found.names == [f"blocks.{i}" for i in range(len(model.blocks))]
 
 
 def test_blocks_count_follows_the_config():
     model = instantiate(compose_train("model.blocks_per_stage=[1,2,3,1]").model)
-    assert len(blocks_of(model)) == 7
+    assert resolve_blocks(model, ["auto"], "k").summary() == {"class": "BasicBlock", "count": 7}
     model = instantiate(compose_train("model=transformer", "model.n_layers=3").model)
-    assert len(blocks_of(model)) == 3
+    assert resolve_blocks(model, ["auto"], "k").summary() == {"class": "Block", "count": 3}
 
 
-def test_a_model_without_blocks_is_told_what_is_missing():
-    with pytest.raises(TypeError, match="no `blocks` nn.Sequential"):
-        blocks_of(nn.Linear(2, 2))
+def test_a_model_without_repeated_blocks_is_told_what_to_name():
+    with pytest.raises(ValueError, match=r"found no repeated blocks in Linear.*\[ClassName\]"):
+        resolve_blocks(nn.Linear(2, 2), ["auto"], "checkpointing.blocks")
 
 
 def test_inplace_relu_follows_the_flag():

@@ -28,7 +28,7 @@ def test_grad_scaler_skips_a_step_with_inf_gradients_and_leaves_the_weights():
     before = [p.detach().clone() for p in trainer.model.parameters()]
     scale = trainer.precision._scaler.get_scale()
     with trainer.precision.autocast():
-        loss = trainer.loss(inputs, targets)
+        loss = trainer.loss(trainer.forward((inputs, targets)), (inputs, targets))
     trainer.precision.backward(loss)
     assert not trainer.precision.step(trainer.optimizer)
     assert all(torch.equal(b, p) for b, p in zip(before, trainer.model.parameters(), strict=True))

@@ -172,7 +172,7 @@ BAD_INPUT = [
     (["data=cifar10", "data.root=/nonexistent"], FileNotFoundError,
      "data.root=/nonexistent: no CIFAR-10 there. Put these files in /nonexistent/cifar-10"),
     (["checkpointing=modules", "checkpointing.modules=[layer9]"], ValueError,
-     "['layer9'] not in the model. Valid names: blocks, blocks.0"),
+     "'layer9' names no module class and no module name of ResNet"),
     (["precision=fp16_pure", "precision.dtype=float8"], ValueError,
      "precision.dtype=float8: choose one of"),
     (["logger=wandb", "logger.mode=sometimes"], ValueError, "logger.mode=sometimes: choose one"),

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import pytest
+import yaml
 
+from memexp.config import config_dir
 from memexp.memory.sizes import parse_size
 from memexp.report import (
     HALF_MARK,
@@ -42,7 +44,11 @@ def result(overrides: list[str], peak: float, step: float, accuracy: float,
            status: str = "ok", **techniques) -> dict:
     chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
               "bn_mode": "train", **techniques}
-    return {"status": status, "overrides": overrides, "techniques": chosen,
+    # the resolved config names each option's class, whose `baseline` the report reads
+    config = {group: {"_target_": yaml.safe_load(
+        (config_dir() / group / f"{option}.yaml").read_text())["_target_"]}
+        for group, option in chosen.items()}
+    return {"status": status, "overrides": overrides, "techniques": chosen, "config": config,
             "memory": {"peak_bytes": int(peak * GIB)} if status == "ok" else None,
             "metrics": {"step_time_s": step, "eval_accuracy": accuracy, "throughput": 1 / step,
                         "throughput_unit": "samples/s"} if status == "ok" else None}
@@ -95,7 +101,8 @@ def test_budget_names_the_fastest_and_the_most_accurate_that_fit():
 def test_half_precision_times_measured_on_a_cpu_are_marked():
     bf16, fp32 = (result([f"precision={p}"], 1.0, 0.5, 0.8, precision=p) for p in ("bf16", "fp32"))
     for record, dtype in ((bf16, "bfloat16"), (fp32, None)):
-        record.update(env={"device_name": "cpu"}, config={"precision": {"dtype": dtype}})
+        record["env"] = {"device_name": "cpu"}
+        record["config"]["precision"]["dtype"] = dtype
     table = markdown_table(rows_of(bf16, fp32)).splitlines()
     bf16_row, fp32_row = table[2], table[3]
     assert bf16_row.count(HALF_MARK) == 2 and HALF_MARK not in fp32_row  # step time, throughput

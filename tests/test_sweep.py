@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from memexp.result import GROUPS
+
 from conftest import REPO
 from wandb_records import summary as wandb_summary
 
@@ -105,7 +107,7 @@ def test_each_job_is_an_offline_wandb_run_in_the_sweeps_group(four_jobs):
         run_file = next((sweep_dir / job / "wandb").glob("offline-run-*/run-*.wandb"))
         recorded = wandb_summary(run_file)
         assert recorded["group"] == sweep_dir.name
-        assert recorded["job_type"] == "/".join(str(v) for v in result["techniques"].values())
+        assert recorded["job_type"] == "/".join(str(result["techniques"][g]) for g in GROUPS)
         assert "precision=" + result["techniques"]["precision"] in recorded["tags"]
         assert recorded["config"]["trainer"] == result["config"]["trainer"]
         assert any("memory_bytes" in step and "loss" in step for step in recorded["history"])

@@ -65,6 +65,8 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
         record.payload["env"]["device_name"] = device_name(trainer.device)
         if rank == 0 and half_precision_on_cpu(record.payload):
             log.info(f"note: {HALF_ON_CPU}")
+        if trainer.blocks:  # what block-level techniques found (memexp.models.blocks)
+            record.payload["techniques"]["blocks"] = trainer.blocks
         trainer.fit(logger)
         record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
     except BaseException as error:

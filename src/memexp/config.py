@@ -20,7 +20,8 @@ from typing import Any, Optional
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from memexp import data, loggers, models
+from memexp import data, loggers, loss, models
+from memexp.models import hf, timm
 from memexp.techniques import bn_mode, checkpointing, optim, parallel, precision
 
 
@@ -110,13 +111,16 @@ class TrainConfig:
     checkpointing: Any = MISSING
     parallel: Any = MISSING
     bn_mode: Any = MISSING
+    loss: Any = MISSING
     logger: Any = MISSING
 
 
 # The targets each group's options may name; each gets a schema `schema/<group>/<Name>`.
 GROUP_TARGETS: dict[str, tuple] = {
-    "model": (models.ResNet, models.Transformer, models.MLP),
-    "data": (data.synthetic_images, data.synthetic_tokens, data.cifar10, data.mnist),
+    "model": (models.ResNet, models.Transformer, models.MLP, hf.hf_model, timm.timm_model),
+    "data": (data.synthetic_images, data.synthetic_tokens, data.synthetic_hf_tokens,
+             data.cifar10, data.mnist, data.dataset, data.hf_local),
+    "loss": (loss.CrossEntropy, loss.ModelLoss, loss.MSE),
     "optim": (optim.SGD, optim.Adam, optim.AdamW, optim.Adafactor, optim.AdamW8bit),
     "precision": (precision.FP32, precision.Autocast, precision.Pure, precision.TF32),
     "checkpointing": (checkpointing.NoCheckpointing, checkpointing.CheckpointBlocks,
@@ -169,6 +173,9 @@ def schema_of(target) -> type:
 
 
 def register() -> None:
+    # `${memexp.equals:a,b}`: a config value that follows another (loss.shift follows model.task)
+    if not OmegaConf.has_resolver("memexp.equals"):
+        OmegaConf.register_new_resolver("memexp.equals", lambda a, b: a == b)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, targets in GROUP_TARGETS.items():

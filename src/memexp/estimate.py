@@ -13,6 +13,10 @@ kernels stand in. Either way the caching allocator's rounding is modelled
 (memexp.memory.allocator), so allocated and reserved bytes are both predicted, and what no trace
 shows (cuBLAS workspaces, the CUDA context) is added on lines of its own.
 
+Before tracing, what values decide is checked for real (memexp.prechecks.dry_run): the batch's
+keys, token ids and positions against every embedding, targets against the model's classes. A
+config that a real run would refuse gets the same error, not a number.
+
 Where the estimate and a real run can differ:
 - values are unknown: a Python branch on a tensor's value (`loss.item()`, a found-inf check)
   sees 0, or True for a boolean, so a fake fp16 step is never skipped;
@@ -32,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
@@ -40,11 +45,14 @@ from torch.utils.flop_counter import flop_registry
 
 from memexp import cudatrace
 from memexp.config import config_dir, target_path
+from memexp.data import synthetic_tokens
 from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
+from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
+from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
-from memexp.techniques.parallel import NoParallel
+from memexp.techniques import check_estimable
 from memexp.trainer import Trainer, build, build_model, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
@@ -147,11 +155,7 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100") -> Est
     (memexp.gpus; for target="cuda")."""
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
-    if cfg.parallel._target_ != target_path(NoParallel):
-        # DDP and FSDP need a process group; under fake tensors their collectives and FSDP's
-        # sharding hit data-dependent ops, so they are refused rather than estimated wrongly.
-        raise ValueError("parallel: memexp estimate covers one process (parallel=none); "
-                         "ddp, zero1 and fsdp are not estimated yet")
+    check_estimable(get_class(cfg.parallel._target_))
     if target == "cpu":
         return trace(cfg, "cpu")
     device = gpu(gpu_key)
@@ -170,6 +174,7 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     cfg = steps_to_trace(cfg, kernels)
     allocator = CachingAllocatorModel() if device is not None else None
     data = build(stand_in_data(cfg.data))
+    check_before_tracing(cfg, data)
     if kernels == "cuda":
         torch.cuda.init()  # torch's per-device tables, filled from the device's answers
     fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
@@ -240,14 +245,29 @@ def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspac
     }
 
 
+def check_before_tracing(cfg: DictConfig, data) -> None:
+    """What a real run would refuse at its first forward pass, from values that a trace cannot
+    see: the batch's keys against forward's signature, every embedding lookup (token ids, the
+    position table), the targets against the model's classes. The model is built on the meta
+    device: nothing is allocated."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    loss = as_loss(build(cfg.loss))
+    batch = data.first_batch()
+    check_signature(model, batch, loss.passes_labels)
+    dry_run(model, batch, loss)
+
+
 def stand_in_data(data: DictConfig) -> DictConfig:
     """The data set, generated for real: under fake tensors every op of a generator costs
     about half a millisecond. Token values never change memory, so a synthetic token set is
     drawn from 64 words (its rule table is vocabulary squared: 20 GB at 50k words); the model
-    keeps its own vocabulary."""
+    keeps its own vocabulary. Batches are made in this process (no loader workers)."""
     stand_in = OmegaConf.create(OmegaConf.to_container(data, resolve=True))
-    if "vocab_size" in stand_in:
+    if stand_in._target_ == target_path(synthetic_tokens):
         stand_in.vocab_size = min(stand_in.vocab_size, 64)
+    if "num_workers" in stand_in:
+        stand_in.num_workers = 0
     return stand_in
 
 

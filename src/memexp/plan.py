@@ -12,7 +12,7 @@ data.batch_size / k samples (only for k that divide the batch).
 Cost is measured where it can be: recomputed FLOPs (from the traced backward pass against the
 same run without checkpointing), bytes moved to the host (offloading), and the number of
 micro-batches per step. The plans are ranked by those, in that order, and then by numerics
-(fp32 first) and peak memory.
+(the precision class's `numerics_rank`: fp32 first) and peak memory.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from hydra.utils import get_class
 from omegaconf import DictConfig
 
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
 from memexp.result import mib
+from memexp.trainer import build
 
 # The candidates of each group when the command line names none.
 DEFAULT_SPACE = {
@@ -37,7 +39,6 @@ DEFAULT_SPACE = {
     "optim.accumulate": ["1", "2", "4"],
 }
 LIGHT_OPTIMIZERS = {"adam": ["adafactor", "adamw_8bit"], "adamw": ["adafactor", "adamw_8bit"]}
-NUMERICS_RANK = {"fp32": 0, "tf32": 1, "bf16": 2, "amp": 3, "bf16_pure": 4, "fp16_pure": 5}
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Plan:
     accumulate: int
     estimate: Estimate
     recompute_flops: int
+    numerics_rank: int  # the precision option's (0: fp32)
     fits: bool = False
 
     @property
@@ -57,7 +59,7 @@ class Plan:
 
     def cost(self) -> tuple:
         return (self.recompute_flops, self.estimate.memory.get("offloaded_peak_bytes", 0),
-                self.accumulate, NUMERICS_RANK.get(self.precision, 9), self.peak_bytes)
+                self.accumulate, self.numerics_rank, self.peak_bytes)
 
 
 def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -122,10 +124,14 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
     space = search_space(base, group_choice(fixed, "optim"), searched)
     computed_options = list(itertools.product(space["precision"], space["optim"],
                                               space["bn_mode"]))
+    # Nothing recomputed or moved first, then recomputation, then offloading (the classes say).
+    cost_ranks = {option: get_class(compose_config([*fixed, f"checkpointing={option}"])
+                                    .checkpointing._target_).cost_rank
+                  for option in space["checkpointing"]}
     kept_options = sorted(
         ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
          if batch % int(k) == 0),
-        key=lambda option: (option[0] != "none", option[0] == "offload", option[1]))
+        key=lambda option: (cost_ranks[option[0]], option[1]))
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
          f"candidates against {budget}, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
@@ -137,13 +143,15 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
             overrides = [*computed, f"checkpointing={checkpointing}",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
-            result = estimate(compose_config([*fixed, *overrides]), target, gpu)
+            cfg = compose_config([*fixed, *overrides])
+            result = estimate(cfg, target, gpu)
             key = (precision, optim, bn_mode, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if checkpointing == "none":
                 baseline_flops[key] = train_flops
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
-            last = Plan(overrides, precision, accumulate, result, recompute)
+            last = Plan(overrides, precision, accumulate, result, recompute,
+                        build(cfg.precision).numerics_rank)
             last.fits = last.peak_bytes <= limit
             show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
                  + " ".join(overrides))

@@ -6,8 +6,8 @@ itself at the end of every sweep (`ReportCallback`) and on demand (`memexp repor
 
 Ratios compare techniques on the same workload: rows whose varying overrides differ only in
 technique settings (the technique groups and their keys, model.inplace, memory.*) share a
-baseline, the first that succeeded with precision=fp32, checkpointing=none and bn_mode=train,
-else their first successful row.
+baseline, the first that succeeded with the baseline option of precision, checkpointing and
+bn_mode (the classes' `baseline` attribute: fp32, none, train), else their first successful row.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig
 
 from memexp.memory.sizes import parse_size
@@ -27,7 +27,7 @@ from memexp.result import CATEGORY_ORDER, GROUPS, HALF_ON_CPU, half_precision_on
 
 log = logging.getLogger("memexp")
 MIB = 2**20
-BASELINE = {"precision": "fp32", "checkpointing": "none", "bn_mode": "train"}
+BASELINE_GROUPS = ("precision", "checkpointing", "bn_mode")
 HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
 
 
@@ -98,13 +98,17 @@ def describe_rows(rows: list[Row]) -> None:
         row.workload = tuple((k, overrides.get(k)) for k in varying if not is_technique_key(k))
 
 
+def is_baseline(config: dict) -> bool:
+    """A run whose precision, checkpointing and bn_mode are each their group's baseline."""
+    return all(get_class(config[group]["_target_"]).baseline for group in BASELINE_GROUPS)
+
+
 def add_ratios(rows: list[Row]) -> None:
     for workload in {row.workload for row in rows}:
         mine = [row for row in rows if row.workload == workload and row.ok]
         if not mine:
             continue
-        base = next((row for row in mine if all(row.result["techniques"].get(group) == option
-                                                 for group, option in BASELINE.items())), mine[0])
+        base = next((row for row in mine if is_baseline(row.result["config"])), mine[0])
         for row in mine:
             row.memory_ratio = row.peak / base.peak
             step, base_step = row.metrics.get("step_time_s"), base.metrics.get("step_time_s")

@@ -119,8 +119,10 @@ def mib(nbytes: int | None) -> str:
 
 def summary(result: dict, run_dir: Path | str) -> str:
     """A few lines for the end of a run: peak memory and its breakdown, speed, accuracy."""
-    techniques = " ".join(f"{k}={v}" for k, v in result["techniques"].items())
+    techniques = " ".join(f"{k}={v}" for k, v in result["techniques"].items() if k != "blocks")
     lines = [f"memexp run: {result['status']}  ({run_dir})", f"  techniques   {techniques}"]
+    for group, found in (result["techniques"].get("blocks") or {}).items():
+        lines.append(f"  blocks       {found['class']} x{found['count']} ({group})")
     memory = result.get("memory")
     if memory and memory.get("oom"):
         lines.append(f"  OUT OF MEMORY in {memory['oom']['phase'] or 'an unknown phase'} at step "

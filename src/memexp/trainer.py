@@ -14,18 +14,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, open_dict
-from torch import Tensor, nn
+from torch import nn
 from tqdm import tqdm
 
 from memexp import checkpoint
-from memexp.data import Batch, TensorData
+from memexp.data import Batch, Data
+from memexp.data.tensors import map_batch, map_inputs
+from memexp.loss import Outputs, as_loss, call_model
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
+from memexp.prechecks import FirstForward, check_signature
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination
 
@@ -145,7 +147,7 @@ class Trainer:
     (memexp.estimate.trace)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path | None = None,
-                 allocator: CachingAllocatorModel | None = None, data: TensorData | None = None,
+                 allocator: CachingAllocatorModel | None = None, data: Data | None = None,
                  model: nn.Module | None = None):
         self.cfg = cfg
         validate(cfg.trainer)
@@ -154,21 +156,19 @@ class Trainer:
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else None
         self.device = pick_device(cfg.trainer.device)
         torch.manual_seed(cfg.trainer.seed)
-        self.data: TensorData = build(cfg.data) if data is None else data
+        self.data: Data = build(cfg.data) if data is None else data
+        self.loss = as_loss(build(cfg.loss))
         self.precision = build(cfg.precision)
         self.checkpointing = build(cfg.checkpointing)
         self.bn_mode = build(cfg.bn_mode)
         self.parallel = build(cfg.parallel)
         self.optim = build(cfg.optim)
-        check_combination(self.precision, self.optim, self.parallel, self.bn_mode)
-        if cfg.trainer.checkpoint_every and self.parallel.distributed:
-            raise ValueError(
-                "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
-                "replicated runs are not supported yet. Use trainer.checkpoint_every=0, or "
-                "parallel=none.")
+        check_combination(self.precision, self.optim, self.parallel, self.bn_mode, self.device,
+                          cfg.trainer.checkpoint_every)
 
-        # The techniques, in this order:
         model = build_model(cfg.model) if model is None else model
+        check_signature(model, self.data.first_batch(), self.loss.passes_labels)
+        # The techniques, in this order:
         # 1. BatchNorm changes first: they need the model's raw Conv->BN structure.
         model = self.bn_mode.apply(model)
         # 2. Onto the device; precision casts parameters (pure half) before anything keeps a
@@ -179,6 +179,14 @@ class Trainer:
         # 4. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.
         self.model = self.parallel.apply(model, self.precision.autocast_dtype)
+        # The blocks the techniques resolved (memexp.models.blocks), for the record; and after
+        # the first forward pass, every module a technique changed must have run.
+        self.blocks = {group: option.found.summary() for group, option in self._changing()
+                       if option.found is not None}
+        for group, summary in self.blocks.items():
+            log.info("%s: blocks %s x%d", group, summary["class"], summary["count"])
+        self.first_forward = FirstForward(model, {group: option.changed
+                                                  for group, option in self._changing()})
         # 5. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
         #    FSDP's CPU offload keeps the (sharded) parameters in host memory.
         self.meter = MemoryMeter(
@@ -199,13 +207,17 @@ class Trainer:
         self.progress = progress_lines(cfg.trainer.max_steps,
                                        cfg.trainer.progress and self.parallel.rank == 0)
 
-    def to_device(self, batch: Batch) -> Batch:
-        inputs, targets = (t.to(self.device, non_blocking=True) for t in batch)
-        return self.precision.cast_inputs(inputs), targets
+    def _changing(self) -> list[tuple[str, object]]:
+        """The options that may resolve blocks and change modules, by group."""
+        return [("bn_mode", self.bn_mode), ("checkpointing", self.checkpointing),
+                ("parallel", self.parallel)]
 
-    def loss(self, inputs: Tensor, targets: Tensor) -> Tensor:
-        logits = self.model(inputs)
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+    def to_device(self, batch: Batch) -> Batch:
+        batch = map_batch(batch, lambda t: t.to(self.device, non_blocking=True))
+        return map_inputs(batch, self.precision.cast_inputs)
+
+    def forward(self, batch: Batch) -> Outputs:
+        return call_model(self.model, batch, self.loss.passes_labels)
 
     def train_step(self, batches: Iterator[Batch]) -> float:
         """One optimizer step over `optim.accumulate` micro-batches; returns the mean loss."""
@@ -215,7 +227,7 @@ class Trainer:
             with self.parallel.accumulating(micro < accumulate - 1):
                 with (meter.phase("forward"), self.precision.autocast(),
                       self.checkpointing.context()):
-                    loss = self.loss(*batch)
+                    loss = self.loss(self.forward(batch), batch)
                     # Scale for accumulation; skipped at k=1, where the extra autograd node
                     # would only cost time (x / 1 == x bitwise).
                     loss = loss / accumulate if accumulate > 1 else loss
@@ -242,20 +254,20 @@ class Trainer:
         return total
 
     @torch.inference_mode()
-    def evaluate(self) -> float:
+    def evaluate(self) -> float | None:
+        """Accuracy on the eval set; None where the loss has no notion of it (regression)."""
         self.model.eval()
-        # Counts stay on the device until the end: no host sync per batch.
-        correct = torch.zeros((), device=self.device, dtype=torch.long)
-        count = 0
+        # (correct, counted) stays on the device until the end: no host sync per batch.
+        totals = torch.zeros(2, device=self.device, dtype=torch.long)
         with self.meter.phase("eval"), self.precision.autocast():
             for batch in self.data.eval_batches(self.parallel.rank, self.parallel.world_size):
-                inputs, targets = self.to_device(batch)
-                correct += (self.model(inputs).argmax(-1) == targets).sum()
-                count += targets.numel()
+                batch = self.to_device(batch)
+                hits = self.loss.hits(self.forward(batch), batch)
+                if hits is not None:
+                    totals += torch.stack(hits)
         self.model.train()
-        totals = self.parallel.all_reduce_sum(
-            torch.stack([correct, torch.tensor(count, device=self.device)]))
-        return (totals[0] / totals[1]).item()
+        correct, counted = self.parallel.all_reduce_sum(totals).tolist()
+        return correct / counted if counted else None
 
     def fit(self, logger) -> Metrics:
         trainer = self.cfg.trainer

@@ -1,11 +1,14 @@
-"""Learnable synthetic data, generated in memory, deterministic by seed: the embedded defaults."""
+"""Learnable synthetic data, generated in memory, deterministic by seed: the embedded defaults,
+and token batches in the shape Hugging Face models take."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
 
-from memexp.data.tensors import BatchSize, Split, TensorData
+from memexp.data.tensors import IGNORE, LABELS, BatchSize, Columns, Split, TensorData
 
 
 def synthetic_images(
@@ -75,3 +78,80 @@ def synthetic_tokens(
         train, split(num_eval), batch_size, eval_batch_size, seed,
         unit="tokens", items_per_sample=seq_len,
     )
+
+
+HF_TASKS = ("causal_lm", "masked_lm", "sequence_classification", "token_classification")
+
+
+def synthetic_hf_tokens(
+    task: str = "causal_lm",
+    batch_size: BatchSize = 8,
+    eval_batch_size: BatchSize = 8,
+    vocab_size: int = 1024,
+    seq_len: int = 128,
+    num_labels: int = 2,
+    num_train: int = 1024,
+    num_eval: int = 128,
+    padding: float = 0.25,
+    noise: float = 0.1,
+    seed: int = 0,
+) -> TensorData:
+    """Mapping batches for a Hugging Face task: `input_ids`, `attention_mask` and `labels`.
+
+    Each sequence ends in up to `padding` x seq_len padding positions (id 0, mask 0, label
+    -100), so the attention mask matters. Learnable, with a `noise` share of random tokens:
+    - causal_lm: each token follows from the two before it by a fixed linear rule mod the
+      vocabulary; labels are the inputs (the model shifts them);
+    - masked_lm: the same sequences with 15% of tokens replaced by the last id, labelled there;
+    - sequence_classification: one label per sequence; its tokens are mostly those whose id is
+      the label modulo num_labels;
+    - token_classification: each token's label is its id modulo num_labels.
+    Memory is linear in the vocabulary, so real vocabularies (50k words) cost nothing."""
+    if task not in HF_TASKS:
+        raise ValueError(f"data.task={task}: choose one of {', '.join(HF_TASKS)} (data=hf_tokens "
+                         "follows model.task)")
+    if not 0 <= padding < 1:
+        raise ValueError(f"data.padding={padding}: must be in [0, 1)")
+    generator = torch.Generator().manual_seed(seed)
+    # The rule's factors are coprime to the vocabulary, so that it reaches every token.
+    coprime = [f for f in range(1, vocab_size) if math.gcd(f, vocab_size) == 1]
+    a, b = (coprime[int(i)] for i in torch.randint(len(coprime), (2,), generator=generator))
+    c = int(torch.randint(vocab_size, (), generator=generator))
+
+    def split(count: int) -> Columns:
+        tokens = torch.randint(vocab_size, (count, seq_len), generator=generator)
+        labels_per_sequence = torch.randint(num_labels, (count,), generator=generator)
+        if task == "sequence_classification":
+            # ids of the label's residue class, except for the noise share
+            bands = torch.randint(max(vocab_size // num_labels, 1), (count, seq_len),
+                                  generator=generator)
+            banded = (bands * num_labels + labels_per_sequence[:, None]) % vocab_size
+            keep = torch.rand(count, seq_len, generator=generator) >= noise
+            tokens = torch.where(keep, banded, tokens)
+        elif task != "token_classification":
+            for t in range(2, seq_len):
+                keep = torch.rand(count, generator=generator) >= noise
+                follow = (a * tokens[:, t - 1] + b * tokens[:, t - 2] + c) % vocab_size
+                tokens[:, t] = torch.where(keep, follow, tokens[:, t])
+        lengths = seq_len - torch.randint(int(padding * seq_len) + 1, (count,),
+                                          generator=generator)
+        mask = (torch.arange(seq_len) < lengths[:, None]).long()
+        if task == "sequence_classification":
+            labels = labels_per_sequence
+        elif task == "token_classification":
+            labels = tokens % num_labels
+        elif task == "masked_lm":
+            masked = (torch.rand(count, seq_len, generator=generator) < 0.15) & mask.bool()
+            labels = torch.where(masked, tokens, IGNORE)
+            tokens = torch.where(masked, vocab_size - 1, tokens)
+        else:
+            labels = tokens.clone()
+        if labels.dim() == 2:
+            labels = labels.masked_fill(mask == 0, IGNORE)
+        return Columns({"input_ids": tokens.masked_fill(mask == 0, 0), "attention_mask": mask,
+                        LABELS: labels})
+
+    train = split(num_train)
+    return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed,
+                      unit="tokens", items_per_sample=seq_len)
+

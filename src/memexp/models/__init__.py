@@ -1,32 +1,28 @@
-"""Built-in models, and the contract any model (`model._target_=pkg.Class`) follows.
+"""Built-in models, ready configs for Hugging Face and timm models, and the block resolver.
 
-The contract
-------------
-- A model is an `nn.Module` whose `forward(inputs)` returns logits of shape `(*batch, classes)`.
-  memexp computes the loss itself: cross-entropy against integer targets of shape `(*batch)`,
-  and accuracy as the share of argmax hits. Images give `(N, classes)`, token sequences
-  `(N, T, vocab)`.
-- A model that wants block-level techniques (`checkpointing=full|selective|sequential`) exposes
-  its repeated blocks as `self.blocks`, an `nn.Sequential` in forward order that `forward` calls
-  as `x = self.blocks(x)`. Techniques read the blocks through `blocks_of(model)` and never guess.
+What memexp asks of a model
+---------------------------
+Any `nn.Module`. Its forward gets the batch's inputs (or a mapping batch as keyword arguments)
+and returns logits, a tuple whose first element is the logits, or a mapping such as Hugging
+Face's `ModelOutput` with `logits` and/or `loss` (memexp.loss). Block-level techniques find the
+model's repeated blocks themselves (memexp.models.blocks): no `blocks` attribute, no adapter.
 """
 
-from torch import nn
+from collections.abc import Mapping
 
+from omegaconf import DictConfig, OmegaConf
+
+from memexp.models.blocks import Blocks, resolve_blocks
 from memexp.models.mlp import MLP
 from memexp.models.resnet import ResNet
 from memexp.models.transformer import Transformer
 
-__all__ = ["MLP", "ResNet", "Transformer", "blocks_of"]
+__all__ = ["MLP", "Blocks", "ResNet", "Transformer", "plain", "resolve_blocks"]
 
 
-def blocks_of(model: nn.Module) -> nn.Sequential:
-    """The model's repeated blocks, per the contract above."""
-    blocks = getattr(model, "blocks", None)
-    if not isinstance(blocks, nn.Sequential):
-        raise TypeError(
-            f"{type(model).__qualname__} has no `blocks` nn.Sequential, which block-level "
-            "techniques need (see memexp.models). Give the model one, or name the modules "
-            "to target with checkpointing=modules checkpointing.modules=[...]."
-        )
-    return blocks
+def plain(keys: Mapping | None) -> dict:
+    """Keyword arguments for a library (`model.config`, `model.kwargs`), as plain Python values:
+    Hydra passes a nested mapping as a DictConfig."""
+    if isinstance(keys, DictConfig):
+        return OmegaConf.to_container(keys, resolve=True)
+    return dict(keys or {})

@@ -5,12 +5,15 @@ return the model untouched. Per-step behaviour is a context or a hook, named by 
 protocol in its module: `precision` owns autocast, backward and the optimizer step;
 `checkpointing` has a context around the forward pass; `optim` builds the optimizer; `parallel`
 places the model on ranks. The trainer applies them in one fixed, commented order
-(`memexp.trainer.Trainer.__init__`), and `check_combination` refuses the pairs that cannot work.
+(`memexp.trainer.Trainer.__init__`), and `check_combination` refuses the pairs that cannot work,
+reading each option's capability attributes.
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Mapping
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -23,21 +26,24 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def check_module_names(key: str, names: list[str], model: nn.Module) -> None:
-    """An unknown module name is an error that lists the valid ones."""
-    valid = {name for name, _ in model.named_modules() if name}
-    unknown = [name for name in names if name not in valid]
-    if unknown:
-        shallow = sorted(name for name in valid if name.count(".") <= 1)
-        deeper = len(valid) - len(shallow)
+# What an option changed when it changed nothing (a shared, read-only mapping).
+NOTHING: Mapping[str, nn.Module] = MappingProxyType({})
+
+
+def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
+                      checkpoint_every: int = 0) -> None:
+    """Refuse, before anything is built, the combinations that cannot work. Every rule reads
+    the options' capability attributes (`needs_all_grads`, `in_backward`, `distributed`, ...),
+    so what works with what is stated on the classes and checked here only."""
+    if optim.in_backward and optim.accumulate > 1:
         raise ValueError(
-            f"{key}: {unknown} not in the model. Valid names: {', '.join(shallow)}"
-            + (f" (and {deeper} deeper ones, from model.named_modules())" if deeper else "")
+            f"optim.in_backward=true with optim.accumulate={optim.accumulate}: stepping inside "
+            "backward uses each gradient at once, so gradients cannot accumulate over "
+            "micro-batches. Use one or the other."
         )
-
-
-def check_combination(precision, optim, parallel, bn_mode) -> None:
-    """Refuse, before anything is built, the combinations that cannot work."""
+    if optim.in_backward and optim.keep_grads:
+        raise ValueError("optim.in_backward=true with optim.keep_grads=true: stepping inside "
+                         "backward frees each gradient as it is used. Use one or the other.")
     if optim.in_backward and precision.needs_all_grads:
         raise ValueError(
             "optim.in_backward=true steps each parameter inside backward, as soon as its "
@@ -51,11 +57,29 @@ def check_combination(precision, optim, parallel, bn_mode) -> None:
             "parallel=ddp|zero1|fsdp has reduced (or sharded) it across ranks. Use "
             "parallel=none, or optim.in_backward=false."
         )
-    from memexp.techniques.bn_mode import SyncBN  # the module imports this one
-
-    if isinstance(bn_mode, SyncBN) and not parallel.distributed:
+    if bn_mode.needs_process_group and not parallel.distributed:
         raise ValueError(
             "bn_mode=sync computes BatchNorm statistics over all ranks' samples, and "
             "parallel=none runs no process group. Use parallel=ddp, zero1 or fsdp (with "
             "torchrun, trainer.nproc or hydra.launcher.tasks_per_node), or bn_mode=train."
         )
+    if precision.needs_cuda and device.type != "cuda":
+        raise ValueError(
+            f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
+            f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
+        )
+    if checkpoint_every and parallel.distributed:
+        raise ValueError(
+            "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
+            "replicated runs are not supported yet. Use trainer.checkpoint_every=0, or "
+            "parallel=none.")
+
+
+def check_estimable(parallel_class: type) -> None:
+    """memexp estimate traces one process; read from the class, since building a parallel
+    option starts a process group."""
+    if not parallel_class.estimable:
+        # DDP and FSDP need a process group; under fake tensors their collectives and FSDP's
+        # sharding hit data-dependent ops, so they are refused rather than estimated wrongly.
+        raise ValueError("parallel: memexp estimate covers one process (parallel=none); "
+                         "ddp, zero1 and fsdp are not estimated yet")

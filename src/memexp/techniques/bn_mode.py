@@ -1,8 +1,9 @@
 """bn_mode: how BatchNorm layers behave while the rest of the model trains.
 
-Every option is structural (`apply(model)`). Frozen BatchNorms keep their module names,
-parameters and state_dict: their class is swapped for a subclass whose `train()` leaves them in
-eval mode, so `model.train()` cannot undo the choice.
+Every option is structural (`apply(model)`); `changed` names the modules it changed, which must
+run in the first forward pass (memexp.prechecks.FirstForward). Frozen BatchNorms keep their
+module names, parameters and state_dict: their class is swapped for a subclass whose `train()`
+leaves them in eval mode, so `model.train()` cannot undo the choice.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
 
-from memexp.techniques import check_module_names
+from memexp.models.blocks import replace_module, resolve_blocks
+from memexp.techniques import NOTHING
 
 log = logging.getLogger("memexp")
 
@@ -53,6 +55,11 @@ def _no_batchnorm(option: str, model: nn.Module) -> None:
 class TrainBN:
     """BatchNorm as PyTorch defines it: batch statistics, running statistics updated."""
 
+    found = None
+    changed = NOTHING
+    baseline = True
+    needs_process_group = False
+
     def apply(self, model: nn.Module) -> nn.Module:
         return model
 
@@ -62,12 +69,18 @@ class EvalBN:
     """Running statistics frozen, affine weight and bias still trained: the usual transfer-learning
     setting (MMDetection's `norm_eval`, the paper's "Eval" mode)."""
 
+    found = None
+    changed = NOTHING
+    baseline = False
+    needs_process_group = False
+
     def apply(self, model: nn.Module) -> nn.Module:
         norms = batchnorms(model)
         if not norms:
             _no_batchnorm("eval", model)
         for _, norm in norms:
             freeze_statistics(norm)
+        self.changed = dict(norms)
         return model
 
 
@@ -191,9 +204,14 @@ class EfficientEvalBN:
     other BatchNorm is frozen as in bn_mode=eval."""
 
     modules: list[str] = ()
+    found = None
+    changed = NOTHING
+    baseline = False
+    needs_process_group = False
 
     def apply(self, model: nn.Module) -> nn.Module:
-        check_module_names("bn_mode.modules", list(self.modules), model)
+        if self.modules:
+            self.found = resolve_blocks(model, self.modules, "bn_mode.modules")
         norms = batchnorms(model)
         if not norms:
             raise ValueError(f"bn_mode=efficient_eval: {type(model).__name__} has no BatchNorm")
@@ -211,12 +229,14 @@ class EfficientEvalBN:
             object.__setattr__(conv, "_folded_norm", norm)  # a reference, not a submodule
             norm.__class__ = _folded_norm_class(type(norm))
             norm.train(False)
+        self.changed = {conv_name: model.get_submodule(conv_name) for conv_name, _ in pairs}
         log.info("bn_mode=efficient_eval: folded %d of %d BatchNorms into their convs",
                  len(pairs), len(norms))
         return model
 
     def _selected(self, name: str) -> bool:
-        return not self.modules or any(name == m or name.startswith(m + ".") for m in self.modules)
+        return self.found is None or any(name == m or name.startswith(m + ".")
+                                         for m in self.found.names)
 
 
 class CrossRankBatchNorm(_BatchNorm):
@@ -259,12 +279,18 @@ class SyncBN:
     """SyncBatchNorm: batch statistics over all ranks' samples, so N ranks normalize as one
     process with N times the batch would. Needs parallel=ddp|zero1|fsdp (check_combination)."""
 
+    found = None
+    changed = NOTHING
+    baseline = False
+    needs_process_group = True
+
     def apply(self, model: nn.Module) -> nn.Module:
         norms = batchnorms(model)
         if not norms:
             _no_batchnorm("sync", model)
         for _, norm in norms:
             norm.__class__ = CrossRankBatchNorm  # same parameters, buffers and state_dict
+        self.changed = dict(norms)
         return model
 
 
@@ -275,6 +301,10 @@ class GroupNormBN:
     layer gets the largest number of groups <= `groups` that divides its channels."""
 
     groups: int = 32
+    found = None
+    changed = NOTHING
+    baseline = False
+    needs_process_group = False
 
     def __post_init__(self) -> None:
         if self.groups < 1:
@@ -292,6 +322,6 @@ class GroupNormBN:
                 with torch.no_grad():
                     replacement.weight.copy_(norm.weight)
                     replacement.bias.copy_(norm.bias)
-            parent, _, attribute = name.rpartition(".")
-            model.get_submodule(parent).register_module(attribute, replacement)
+            replace_module(model, name, replacement)
+        self.changed = {name: model.get_submodule(name) for name, _ in norms}
         return model

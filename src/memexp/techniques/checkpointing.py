@@ -1,11 +1,15 @@
 """checkpointing: which activations are kept for backward, recomputed, or moved off the device.
 
-`apply(model)` wraps the chosen parts of the model; `context()` is entered around every forward
-pass (only `offload` uses it).
+`apply(model)` wraps the chosen parts of the model in place; `context()` is entered around every
+forward pass (only `offload` without a scope uses it). Which modules are the blocks is decided by
+memexp.models.blocks (`checkpointing.blocks=[auto]`, class names or module-name globs); each
+option keeps what it found in `found` and the modules it changed in `changed`, which must run in
+the first forward pass (memexp.prechecks.FirstForward).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -17,11 +21,20 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from torch.utils.checkpoint import checkpoint
 
 from memexp.memory import host_resident, recomputing
-from memexp.models import blocks_of
-from memexp.techniques import check_module_names, model_device
+from memexp.models.blocks import (
+    Blocks,
+    Wrapper,
+    replace_module,
+    resolve_blocks,
+    whole_sequential,
+)
+from memexp.techniques import NOTHING, model_device
 
 
 class Checkpointing(Protocol):
+    found: Blocks | None  # the blocks it resolved, if it resolves any
+    changed: Mapping[str, nn.Module]  # the modules it wrapped, by name
+
     def apply(self, model: nn.Module) -> nn.Module: ...
 
     def context(self) -> AbstractContextManager:
@@ -52,23 +65,31 @@ def _contexts(module: nn.Module):
     return nullcontext(), _recomputation(module)
 
 
-class Checkpointed(nn.Module):
+class Checkpointed(Wrapper):
     """Runs `inner` under non-reentrant activation checkpointing: only its inputs are kept for
     backward, and its forward is run again during backward, with the RNG state of the first run
     (dropout masks match) and without touching BatchNorm running statistics twice."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
 
     def forward(self, *args, **kwargs):
         return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True,
                           context_fn=partial(_contexts, self.inner), **kwargs)
 
 
+def wrap_each(model: nn.Module, names: list[str], wrap) -> dict[str, nn.Module]:
+    """Put `wrap(module)` in the place of each named module; the wrappers, by name."""
+    for name in names:
+        replace_module(model, name, wrap(model.get_submodule(name)))
+    return {name: model.get_submodule(name) for name in names}
+
+
 @dataclass
 class NoCheckpointing:
     """Keep every activation autograd saves: the baseline."""
+
+    found = None
+    changed = NOTHING
+    baseline = True
+    cost_rank = 0  # memexp plan tries options from the cheapest: nothing recomputed or moved
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -79,19 +100,24 @@ class NoCheckpointing:
 
 @dataclass
 class CheckpointBlocks:
-    """Checkpoint every `every`-th block of `model.blocks`, from the first: `every=1` (the `full`
-    option) checkpoints them all, `every=2` (`selective`) half of them."""
+    """Checkpoint every `every`-th block, from the first: `every=1` (the `full` option)
+    checkpoints them all, `every=2` (`selective`) half of them. `blocks` says which modules are
+    the blocks (memexp.models.blocks)."""
 
     every: int = 1
+    blocks: list[str] = ("auto",)
+    found = None
+    changed = NOTHING
+    baseline = False
+    cost_rank = 1  # recomputes
 
     def __post_init__(self) -> None:
         if self.every < 1:
             raise ValueError(f"checkpointing.every={self.every}: must be >= 1")
 
     def apply(self, model: nn.Module) -> nn.Module:
-        blocks = blocks_of(model)
-        for index in range(0, len(blocks), self.every):
-            blocks[index] = Checkpointed(blocks[index])
+        self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
+        self.changed = wrap_each(model, self.found.names[::self.every], Checkpointed)
         return model
 
     def context(self) -> AbstractContextManager:
@@ -101,24 +127,20 @@ class CheckpointBlocks:
 @dataclass
 class CheckpointModules:
     """Checkpoint the named submodules, like MMEngine's
-    `activation_checkpointing=['layer1', 'layer2']`."""
+    `activation_checkpointing=['layer1', 'layer2']`; class names and globs work too."""
 
     modules: list[str]
+    found = None
+    changed = NOTHING
+    baseline = False
+    cost_rank = 1
 
     def apply(self, model: nn.Module) -> nn.Module:
         if not self.modules:
             raise ValueError("checkpointing=modules needs the modules to checkpoint: "
                              "checkpointing.modules=[name,...]")
-        check_module_names("checkpointing.modules", list(self.modules), model)
-        for name in self.modules:
-            inside = [other for other in self.modules if name.startswith(other + ".")]
-            if inside:
-                raise ValueError(f"checkpointing.modules: {name!r} is inside {inside[0]!r}; "
-                                 "name each region once")
-        for name in self.modules:
-            parent, _, attribute = name.rpartition(".")
-            owner = model.get_submodule(parent)
-            owner.register_module(attribute, Checkpointed(owner.get_submodule(attribute)))
+        self.found = resolve_blocks(model, self.modules, "checkpointing.modules")
+        self.changed = wrap_each(model, self.found.names, Checkpointed)
         return model
 
     def context(self) -> AbstractContextManager:
@@ -128,25 +150,48 @@ class CheckpointModules:
 @dataclass
 class CheckpointSequential:
     """`torch.utils.checkpoint.checkpoint_sequential`'s scheme, the source's "split the training
-    process": `model.blocks` is cut into `segments` runs of consecutive blocks, and every run but
-    the last is checkpointed as one unit. (Built from `checkpoint` per run rather than by calling
-    checkpoint_sequential, which cannot pass the context that keeps BatchNorm statistics right.)"""
+    process": the blocks, which must be all of one nn.Sequential that forward calls whole, are
+    cut into `segments` runs of consecutive blocks, and every run but the last is checkpointed
+    as one unit. (Built from `checkpoint` per run rather than by calling checkpoint_sequential,
+    which cannot pass the context that keeps BatchNorm statistics right.)"""
 
     segments: int = 2
+    blocks: list[str] = ("auto",)
+    found = None
+    changed = NOTHING
+    baseline = False
+    cost_rank = 1
 
     def apply(self, model: nn.Module) -> nn.Module:
-        blocks = blocks_of(model)
-        if not 1 <= self.segments <= len(blocks):
+        self.found = found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
+        name = whole_sequential(model, found, "checkpointing.blocks")
+        if not 1 <= self.segments <= len(found.modules):
             raise ValueError(f"checkpointing.segments={self.segments}: must be between 1 and "
-                             f"the model's {len(blocks)} blocks")
-        size = len(blocks) // self.segments
-        runs = [nn.Sequential(*blocks[i * size:(i + 1) * size]) for i in range(self.segments - 1)]
-        rest = list(blocks[(self.segments - 1) * size:])
-        model.blocks = nn.Sequential(*(Checkpointed(run) for run in runs), *rest)
+                             f"the model's {len(found.modules)} blocks")
+        size = len(found.modules) // self.segments
+        runs = [nn.Sequential(*found.modules[i * size:(i + 1) * size])
+                for i in range(self.segments - 1)]
+        rest = found.modules[(self.segments - 1) * size:]
+        replace_module(model, name, nn.Sequential(*(Checkpointed(run) for run in runs), *rest))
+        # The container itself must run: a forward that loops over it or indexes it would not
+        # reach the runs as they are now.
+        self.changed = {name or "(the model)": model.get_submodule(name)}
         return model
 
     def context(self) -> AbstractContextManager:
         return nullcontext()
+
+
+class Offloaded(Wrapper):
+    """Runs `inner` with the tensors it saves for backward moved to host memory (`offload`)."""
+
+    def __init__(self, inner: nn.Module, offload: OffloadActivations):
+        super().__init__(inner)
+        object.__setattr__(self, "_offload", offload)  # a reference, not a submodule
+
+    def forward(self, *args, **kwargs):
+        with self._offload.hooks():
+            return self.inner(*args, **kwargs)
 
 
 @dataclass
@@ -154,17 +199,30 @@ class OffloadActivations:
     """Move every tensor autograd saves for backward to host memory (pinned on CUDA, so the copy
     back can overlap) and bring it back when backward needs it: the mechanism of
     `torch.autograd.graph.save_on_cpu`. Parameters are saved in place, not copied: they stay on
-    the device anyway."""
+    the device anyway. `blocks` limits it to what those modules save (null: the whole forward
+    pass, loss included)."""
 
     pin_memory: bool = True
+    blocks: list[str] | None = None
+    found = None
+    changed = NOTHING
+    baseline = False
+    cost_rank = 2  # moves bytes to the host and back
 
     def apply(self, model: nn.Module) -> nn.Module:
         self._device = model_device(model)
         self._pin = self.pin_memory and self._device.type == "cuda"
         self._parameters = {id(p.untyped_storage()) for p in model.parameters()}
+        if self.blocks is not None:
+            self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
+            self.changed = wrap_each(model, self.found.names,
+                                     lambda module: Offloaded(module, self))
         return model
 
     def context(self) -> AbstractContextManager:
+        return self.hooks() if self.blocks is None else nullcontext()
+
+    def hooks(self) -> AbstractContextManager:
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor):

@@ -68,10 +68,12 @@ class OptimizerChoice:
 
     accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
                  (MMEngine's accumulative_counts, Lightning's accumulate_grad_batches).
-    in_backward: step each parameter as soon as its gradient is complete (StepInBackward).
+    in_backward: step each parameter as soon as its gradient is complete (StepInBackward);
+                 not with accumulate > 1 (memexp.techniques.check_combination).
     keep_grads:  zero gradients in place after the step instead of freeing them (torch < 2.0's
                  `zero_grad()` default, set_to_none=False): they stay allocated through the
                  next forward pass. For comparing with runs made that way; it only costs memory.
+                 Not with in_backward.
     """
 
     lr: float
@@ -86,15 +88,6 @@ class OptimizerChoice:
             raise ValueError(
                 f"optim.accumulate={self.accumulate}: must be >= 1 (1 means no accumulation)"
             )
-        if self.in_backward and self.accumulate > 1:
-            raise ValueError(
-                f"optim.in_backward=true with optim.accumulate={self.accumulate}: stepping inside "
-                "backward uses each gradient at once, so gradients cannot accumulate over "
-                "micro-batches. Use one or the other."
-            )
-        if self.in_backward and self.keep_grads:
-            raise ValueError("optim.in_backward=true with optim.keep_grads=true: stepping inside "
-                             "backward frees each gradient as it is used. Use one or the other.")
 
     def build(self, params: Iterable[Tensor]) -> torch.optim.Optimizer | StepInBackward:
         params = list(params)

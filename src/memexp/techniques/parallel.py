@@ -7,7 +7,7 @@ Each rank takes its own slice of every global batch (`TensorData.train_batches`)
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -19,8 +19,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from memexp.distributed import env_world_size, init_process_group
 from memexp.memory import host_resident
-from memexp.models import blocks_of
-from memexp.techniques import model_device
+from memexp.models.blocks import Blocks, resolve_blocks
+from memexp.techniques import NOTHING, model_device
 
 # Normalization layers keep fp32 parameters under FSDP's half-precision all-gather: their
 # running statistics are fp32 buffers, and autocast runs them in fp32 anyway.
@@ -32,6 +32,10 @@ class Parallel(Protocol):
     world_size: int
     # Runs on a process group whose hooks reduce or shard the gradients (ddp, fsdp, zero1).
     distributed: bool
+    # memexp estimate can trace it (one process, no collectives).
+    estimable: bool
+    found: Blocks | None  # the blocks it resolved (fsdp's units)
+    changed: Mapping[str, nn.Module]  # the modules it wrapped, by name
 
     def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         """Wrap the model; `autocast_dtype` is the precision group's compute dtype, if any."""
@@ -62,6 +66,9 @@ class NoParallel:
     rank = 0
     world_size = 1
     distributed = False
+    estimable = True
+    found = None
+    changed = NOTHING
 
     def __post_init__(self) -> None:
         if env_world_size() > 1:
@@ -99,6 +106,9 @@ class _OnProcessGroup:
 
     timeout_s: float = 120.0
     distributed = True
+    estimable = False
+    found = None
+    changed = NOTHING
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -184,8 +194,9 @@ def _without_gradient_sync(model: nn.Module):
 @dataclass
 class FSDP(_OnProcessGroup):
     """FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded across ranks.
-    Each block of `model.blocks` is one unit, gathered just before it runs; the root holds the
-    rest.
+    Each block is one unit, gathered just before it runs; the root holds the rest. `blocks`
+    says which modules are the blocks (memexp.models.blocks: [auto], class names or globs, as
+    FSDP's ModuleWrapPolicy and Accelerate's transformer_layer_cls_to_wrap name them).
 
     reshard_after_forward: free each block's gathered parameters after its forward (gather
                            again in backward): less memory, more communication.
@@ -196,6 +207,7 @@ class FSDP(_OnProcessGroup):
 
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    blocks: list[str] = ("auto",)
 
     def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         from torch.distributed.device_mesh import init_device_mesh
@@ -217,8 +229,10 @@ class FSDP(_OnProcessGroup):
         # Reduced in fp32 whatever the gather dtype: half-precision sums of many ranks'
         # gradients lose small contributions and can overflow.
         half = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
-        for block in blocks_of(model):
+        self.found = resolve_blocks(model, self.blocks, "parallel.blocks")
+        for block in self.found.modules:
             fully_shard(block, mp_policy=half, **shard)
+        self.changed = dict(zip(self.found.names, self.found.modules, strict=True))
         self._model = fully_shard(model, mp_policy=half, **shard)
         self._sharded = list(model.parameters())  # every unit is sharded until the first forward
         return self._model

@@ -26,6 +26,12 @@ class Precision(Protocol):
     needs_all_grads: bool
     # The dtype autocast computes in (None without autocast): FSDP gathers parameters in it.
     autocast_dtype: torch.dtype | None
+    # Runs only on a CUDA device (check_combination).
+    needs_cuda: bool
+    # The option the report compares the others with (fp32).
+    baseline: bool
+    # Numerics from the closest to fp32 (0) down: memexp plan prefers the lower at equal cost.
+    numerics_rank: int
 
     def apply(self, model: nn.Module) -> nn.Module: ...
 
@@ -83,6 +89,9 @@ class FP32:
 
     needs_all_grads = False
     autocast_dtype = None
+    needs_cuda = False
+    baseline = True
+    numerics_rank = 0
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -118,13 +127,11 @@ class TF32(FP32):
     """fp32 storage with TF32 tensor-core math for matmuls and convolutions (NVIDIA Ampere and
     newer): faster, same memory, about 10 mantissa bits in the products."""
 
+    needs_cuda = True
+    baseline = False
+    numerics_rank = 1
+
     def apply(self, model: nn.Module) -> nn.Module:
-        device = model_device(model)
-        if device.type != "cuda":
-            raise ValueError(
-                f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
-                f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
-            )
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
         return model
@@ -137,10 +144,13 @@ class Autocast:
     bfloat16 has fp32's exponent range and needs none (`bf16`)."""
 
     dtype: str = "float16"
+    needs_cuda = False
+    baseline = False
 
     def __post_init__(self) -> None:
         self._dtype = self.autocast_dtype = half_dtype(self.dtype, "precision.dtype")
         self.needs_all_grads = self._dtype == torch.float16
+        self.numerics_rank = 3 if self.needs_all_grads else 2  # amp below bf16: fp16's range
 
     def apply(self, model: nn.Module) -> nn.Module:
         self._device_type = model_device(model).type
@@ -184,10 +194,13 @@ class Pure:
     dtype: str = "float16"
     master_weights: bool = False
     autocast_dtype = None  # parameters are in `dtype` already: nothing to cast
+    needs_cuda = False
+    baseline = False
 
     def __post_init__(self) -> None:
         self._dtype = half_dtype(self.dtype, "precision.dtype")
         self.needs_all_grads = self.master_weights
+        self.numerics_rank = 4 if self._dtype == torch.bfloat16 else 5
         self._pairs: list[tuple[Tensor, Tensor]] = []
 
     def apply(self, model: nn.Module) -> nn.Module:

@@ -1,0 +1,197 @@
+"""loss: what a step minimizes, from the model's outputs and the batch; and accuracy, where there
+is one.
+
+The output contract: a model's forward may return a tensor of logits, a tuple (its first element
+is the logits), or a mapping such as Hugging Face's `ModelOutput`, from which memexp takes
+`logits`, and `loss` when the model computed one. Nothing else is asked of a model.
+
+Every option is called as `loss(outputs, batch)`; `hits(outputs, batch)` gives the correct and
+the counted predictions of a batch, or None where accuracy means nothing (regression).
+`passes_labels` says whether a mapping batch's `labels` go into the model's call (a model
+computes its own loss from them) or stay memexp's targets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
+
+
+@dataclass
+class Outputs:
+    """A forward pass's result, read by the output contract."""
+
+    logits: Tensor | None
+    loss: Tensor | None  # the model's own loss, when it computed one
+    raw: Any  # what forward returned, for a loss of your own
+
+
+def read_outputs(raw: Any) -> Outputs:
+    if isinstance(raw, Tensor):
+        return Outputs(raw, None, raw)
+    if isinstance(raw, Mapping):  # ModelOutput is a mapping that leaves out its None fields
+        return Outputs(raw.get("logits"), raw.get("loss"), raw)
+    if isinstance(raw, (tuple, list)) and raw and isinstance(raw[0], Tensor):
+        return Outputs(raw[0], None, raw)
+    raise TypeError(
+        f"the model's forward returned {type(raw).__name__}; memexp reads a tensor of logits, a "
+        "tuple whose first element is the logits, or a mapping with `logits` and/or `loss` "
+        "(see memexp.loss)")
+
+
+def call_model(model: nn.Module, batch: Batch, passes_labels: bool) -> Outputs:
+    """`model(inputs)` for a pair; `model(**batch)` for a mapping, `labels` only if asked."""
+    if isinstance(batch, Mapping):
+        kwargs = batch if passes_labels else {k: v for k, v in batch.items() if k != LABELS}
+        return read_outputs(model(**kwargs))
+    return read_outputs(model(batch[0]))
+
+
+class Loss(Protocol):
+    passes_labels: bool
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor: ...
+
+    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
+        """(correct, counted) predictions, as tensors on the batch's device, or None."""
+
+
+def logits_of(outputs: Outputs, option: str) -> Tensor:
+    if outputs.logits is None:
+        raise ValueError(f"loss={option} needs logits, and the model's output has none "
+                         f"({type(outputs.raw).__name__}); try loss=model")
+    return outputs.logits
+
+
+def aligned(logits: Tensor, targets: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
+    """Logits and targets position by position; `shift`: position t predicts target t + 1 (causal
+    language modelling, where the labels are the inputs, as Hugging Face gives them)."""
+    if shift:
+        return logits[..., :-1, :], targets[..., 1:]
+    return logits, targets
+
+
+def class_hits(logits: Tensor | None, targets: Tensor | None,
+               shift: bool) -> tuple[Tensor, Tensor] | None:
+    """Argmax hits where there are class logits and integer targets of their shape."""
+    if logits is None or targets is None or targets.is_floating_point():
+        return None
+    logits, targets = aligned(logits, targets, shift)
+    if logits.shape[:-1] != targets.shape:
+        return None
+    counted = targets != IGNORE
+    return ((logits.argmax(-1) == targets) & counted).sum(), counted.sum()
+
+
+def check_classes(logits: Tensor, targets: Tensor, key: str) -> None:
+    """Integer targets within the logits' classes (checked before a run: memexp.prechecks)."""
+    counted = targets[targets != IGNORE]
+    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= logits.shape[-1]):
+        raise ValueError(
+            f"{key}: the batch's targets run from {int(counted.min())} to {int(counted.max())}, "
+            f"but the model gives {logits.shape[-1]} classes (logits {tuple(logits.shape)}). "
+            "Match the data's number of classes to the model's head.")
+
+
+@dataclass
+class CrossEntropy:
+    """Cross-entropy of the logits against integer targets (today's default); targets equal to
+    -100 count for nothing. `shift=true` compares position t with target t + 1, for causal
+    language models given their inputs as labels (the Hugging Face convention)."""
+
+    shift: bool = False
+    passes_labels = False
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
+                                  self.shift)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
+        return class_hits(outputs.logits, targets_of(batch), self.shift)
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
+                                  self.shift)
+        check_classes(logits, targets, "loss=cross_entropy")
+
+
+@dataclass
+class ModelLoss:
+    """The loss the model computed itself: Hugging Face models do when given `labels`, which a
+    mapping batch then passes in. Accuracy from its logits, where it has class logits;
+    `shift=true` aligns them for causal language models, as cross_entropy's `shift`."""
+
+    shift: bool = False
+    passes_labels = True
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        if outputs.loss is None:
+            raise ValueError(
+                f"loss=model: the model returned no loss ({type(outputs.raw).__name__}). Hugging "
+                "Face models compute one when the batch has `labels` (a mapping batch, such as "
+                "data=hf_tokens); otherwise choose loss=cross_entropy or mse")
+        return outputs.loss
+
+    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
+        return class_hits(outputs.logits, targets_of(batch), self.shift)
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        targets = targets_of(batch)
+        if outputs.logits is not None and targets is not None and not targets.is_floating_point():
+            check_classes(*aligned(outputs.logits, targets, self.shift), "loss=model")
+
+
+@dataclass
+class MSE:
+    """Mean squared error of the logits against float targets of the same shape (regression);
+    no accuracy."""
+
+    passes_labels = False
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        logits, targets = logits_of(outputs, "mse"), targets_of(batch)
+        return F.mse_loss(logits.float(), targets.float().view_as(logits))
+
+    def hits(self, outputs: Outputs, batch: Batch) -> None:
+        return None
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        logits, targets = logits_of(outputs, "mse"), targets_of(batch)
+        if logits.numel() != targets.numel():
+            raise ValueError(f"loss=mse: logits {tuple(logits.shape)} and targets "
+                             f"{tuple(targets.shape)} differ in size")
+
+
+@dataclass
+class UserLoss:
+    """Your callable `(outputs, batch) -> loss` (`loss=custom loss._target_=pkg.fn`); `outputs`
+    is an `Outputs` (logits, loss, and `raw`, what forward returned). No accuracy."""
+
+    function: Callable[[Outputs, Batch], Tensor]
+    passes_labels = False
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        return self.function(outputs, batch)
+
+    def hits(self, outputs: Outputs, batch: Batch) -> None:
+        return None
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        pass
+
+
+def as_loss(built: Any) -> Loss:
+    """A `loss` option as built: memexp's own options, or a user's callable."""
+    if isinstance(built, (CrossEntropy, ModelLoss, MSE)):
+        return built
+    if callable(built):
+        return UserLoss(built)
+    raise TypeError(f"loss: {built!r} is not callable as (outputs, batch) -> loss")
+

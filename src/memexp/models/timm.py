@@ -1,0 +1,40 @@
+"""model=timm: any network from PyTorch Image Models, through `timm.create_model`.
+
+    python train.py model=timm model.name=resnet34
+
+timm models are plain nn.Modules that return logits, so every technique reaches them through
+the generic path (block-level ones find their blocks with the resolver). timm imports torchvision;
+where that does not import (PyPI's torchvision beside a pinned CPU torch), building one is a
+clear error.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from torch import nn
+
+from memexp.models import plain
+
+
+def timm_model(name: str, num_classes: int, in_channels: int = 3, pretrained: str | None = None,
+               kwargs: dict | None = None) -> nn.Module:
+    """`timm.create_model(name, num_classes=..., in_chans=...)`, random weights; `pretrained` is
+    a local weights file (never downloaded); `kwargs` go to create_model (drop_rate, ...)."""
+    try:
+        import timm
+    except Exception as error:  # ImportError, or torchvision failing beside this torch
+        raise RuntimeError(
+            f"model=timm needs timm, which does not import here ({type(error).__name__}: "
+            f"{error}). Install timm with a torchvision built for this torch, or give the "
+            "network as model=custom model._target_=pkg.Class") from error
+    extra = plain(kwargs)
+    if pretrained is not None:
+        if not Path(pretrained).expanduser().is_file():
+            raise FileNotFoundError(f"model.pretrained={pretrained}: no weights file there "
+                                    "(a .safetensors or .pth state dict); nothing is downloaded")
+        extra.update(pretrained=True, pretrained_cfg_overlay={"file": str(pretrained)})
+    if name not in timm.list_models():
+        raise ValueError(f"model.name={name}: not a timm model; timm.list_models() has "
+                         f"{', '.join(timm.list_models()[:50])}, ...")
+    return timm.create_model(name, num_classes=num_classes, in_chans=in_channels, **extra)

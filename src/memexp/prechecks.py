@@ -1,0 +1,178 @@
+"""Checks that turn a run that cannot work into a clear error, before or at its first forward pass.
+
+- `check_signature`: the batch's keys against the model's forward signature (before a run).
+- `FirstForward`: during a run's first forward pass, every embedding lookup is in range (a token
+  id past the vocabulary, a sequence longer than the position table), and afterwards every module
+  a technique changed has run (no silent no-op: a technique that wrapped a copy of the layers
+  would otherwise report the memory of `none` as its own).
+- `dry_run`: for `memexp estimate`, whose traced values are unknown, the same embedding and
+  target checks on a forward pass of the model on the meta device (nothing allocated), with the
+  batch's integer tensors (token ids, positions, masks) computed for real.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from collections.abc import Mapping
+
+import torch
+from torch import Tensor, nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map_only
+
+from memexp.data.tensors import LABELS, Batch
+from memexp.loss import call_model
+
+log = logging.getLogger("memexp")
+
+
+def check_signature(model: nn.Module, batch: Batch, passes_labels: bool) -> None:
+    """A mapping batch's keys must be arguments of forward, and forward's required arguments
+    must be in the batch; a pair's inputs are one positional argument."""
+    parameters = inspect.signature(model.forward).parameters.values()
+    named = {p.name for p in parameters if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in parameters)
+    required = [p.name for p in parameters if p.default is p.empty
+                and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    model_name = type(model).__name__
+    if not isinstance(batch, Mapping):
+        if len(required) > 1:
+            raise ValueError(f"{model_name}.forward requires {required}, and a batch of "
+                             "(inputs, targets) gives one argument; use a mapping batch")
+        return
+    given = [key for key in batch if passes_labels or key != LABELS]
+    unknown = [key for key in given if key not in named and not takes_any]
+    missing = [name for name in required if name not in given]
+    if unknown or missing:
+        raise ValueError(
+            f"the batch's keys {given} do not fit "
+            f"{model_name}.forward{inspect.signature(model.forward)}"
+            + (f": it takes no {unknown}" if unknown else "")
+            + (f": it requires {missing}" if missing else "")
+            + (". `labels` go to the model only with loss=model" if LABELS in missing else ""))
+
+
+def inputs_of(batch: Batch) -> dict[str, Tensor]:
+    """What the model gets from `batch`, by name (a pair's inputs as `inputs`)."""
+    return dict(batch) if isinstance(batch, Mapping) else {"inputs": batch[0]}
+
+
+def check_lookup(name: str, embedding: nn.Embedding, indices: Tensor,
+                 inputs: dict[str, Tensor]) -> None:
+    """An embedding's indices must be rows it has; the error says where they came from:
+    `inputs` are the tensors the forward pass was given."""
+    if indices.numel() == 0 or indices.is_meta:  # meta: made from the model's own buffers
+        return
+    low, high = int(indices.min()), int(indices.max())
+    rows = embedding.num_embeddings
+    if 0 <= low and high < rows:
+        return
+    fed = [key for key, value in inputs.items() if value.shape == indices.shape
+           and value.dtype == indices.dtype and bool((value == indices).all())]
+    length = max((value.shape[-1] for value in inputs.values() if value.dim() > 1), default=None)
+    origin = (f"the batch's {fed[0]!r}: token ids from {low} to {high}; the data's vocabulary "
+              "must fit the model's (data.vocab_size)" if fed else
+              f"computed by the model from the batch (a position table: the batch's sequences "
+              f"are {length} long, data.seq_len; enlarge the table in the model's config, such "
+              "as +model.config.n_positions or max_position_embeddings)")
+    raise ValueError(f"{name} (nn.Embedding with {rows} rows) is looked up at index "
+                     f"{high if high >= rows else low}, out of range: {origin}")
+
+
+class FirstForward:
+    """Hooks for a run's first forward pass, removed after it: embedding lookups in range, then
+    the no-op check over `changed` ({group: {module name: module}})."""
+
+    def __init__(self, model: nn.Module, changed: dict[str, Mapping[str, nn.Module]]):
+        self.changed = {group: dict(modules) for group, modules in changed.items() if modules}
+        self.ran: set[int] = set()
+        # The first forward pass's tensors, weakly: a pass that fails (out of memory) must not
+        # keep its batch alive.
+        self.inputs: dict[str, weakref.ref] = {}
+        self.handles = [model.register_forward_pre_hook(self._capture, with_kwargs=True)]
+        self.handles += [module.register_forward_pre_hook(self._mark)
+                         for modules in self.changed.values() for module in modules.values()]
+        self.handles += [module.register_forward_pre_hook(self._check_lookup(name))
+                         for name, module in model.named_modules()
+                         if isinstance(module, nn.Embedding)]
+        self.handles.append(model.register_forward_hook(self._verify))
+
+    def _capture(self, model: nn.Module, args, kwargs) -> None:
+        named = {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs}
+        self.inputs = {k: weakref.ref(v) for k, v in named.items() if isinstance(v, Tensor)}
+
+    def _mark(self, module: nn.Module, args) -> None:
+        self.ran.add(id(module))
+
+    def _check_lookup(self, name: str):
+        def hook(module: nn.Embedding, args) -> None:
+            alive = {key: tensor for key, ref in self.inputs.items()
+                     if (tensor := ref()) is not None}
+            check_lookup(name, module, args[0], alive)
+        return hook
+
+    def _verify(self, model: nn.Module, args, output) -> None:
+        for handle in self.handles:
+            handle.remove()
+        for group, modules in self.changed.items():
+            if not any(id(module) in self.ran for module in modules.values()):
+                names = list(modules)
+                shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more"
+                                                if len(names) > 6 else "")
+                raise RuntimeError(
+                    f"{group}: none of the {len(names)} modules it changed ran in the first "
+                    f"forward pass ({shown}): the technique would do nothing, and the run would "
+                    "report the baseline's memory as its own. The model's forward does not call "
+                    "them: a copy of its layers, or a container it loops over or indexes rather "
+                    f"than calls whole? Point {group} at the modules forward runs "
+                    "(memexp.models.blocks: [auto], class names or module-name globs).")
+
+
+# -- memexp estimate: a forward pass on the meta device with real integer values -------------------
+def _integer(tensor: Tensor) -> bool:
+    return not tensor.is_floating_point() and not tensor.is_complex()
+
+
+class IntegerValues(TorchDispatchMode):
+    """Floating-point tensors live on the meta device (shapes only); integer and boolean ones
+    that can be computed from real values (token ids, positions from arange, masks) are computed
+    on the CPU, so that embedding lookups can be checked."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
+            args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+            return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        # Integers made for the meta device (torch.arange(n, device=embeddings.device)) are
+        # made for real instead: positions are what position tables are checked against.
+        if (kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta"
+                and all(_integer(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))):
+            return func(*args, **{**kwargs, "device": torch.device("cpu")})
+        return out
+
+
+def dry_run(model: nn.Module, batch: Batch, loss) -> None:
+    """`model` (built on the meta device) on `batch`: embedding lookups and the loss's targets
+    checked for real. A model that cannot run on the meta device is skipped (logged): the trace
+    that follows meets the same error, or the real run's first forward pass the same checks."""
+    inputs = inputs_of(batch)
+    hooks = [module.register_forward_pre_hook(
+        lambda module, args, name=name: check_lookup(name, module, args[0], inputs))
+        for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    try:
+        with torch.random.fork_rng(devices=[]), IntegerValues():
+            outputs = call_model(model, batch, loss.passes_labels)
+    except ValueError:
+        raise
+    except Exception as error:  # meta tensors cannot do everything
+        log.warning("memexp estimate: the checks before tracing could not run %s on the meta "
+                    "device (%s: %s); tracing without them", type(model).__name__,
+                    type(error).__name__, str(error).splitlines()[0] if str(error) else "")
+        return
+    finally:
+        for hook in hooks:
+            hook.remove()
+    loss.check(outputs, batch)

@@ -1,0 +1,224 @@
+"""Any model, any data, any loss: HF transformers and plain user modules through every
+block-level technique with no adapter, the block resolver, the output contract, loss=model, and
+the checks that refuse what cannot run."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from memexp.app import run_config
+from memexp.estimate import estimate
+from memexp.loggers import NoLogger
+from memexp.models.blocks import resolve_blocks
+from memexp.result import summary
+from memexp.trainer import Trainer, build, build_model
+
+from conftest import HF_BERT as BERT
+from conftest import HF_GPT2 as GPT2
+from conftest import compose_train, step_memory, train
+
+# A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
+USER = ("model=custom", "model._target_=user_models.LayerStack", "data=tokens",
+        "data.batch_size=4", "data.num_train=32", "data.num_eval=8", "data.seq_len=16")
+MODELS = {"gpt2": GPT2, "bert": BERT, "user": USER}
+STEPS = 2
+
+
+@functools.cache
+def baseline_losses(model: str) -> tuple[float, ...]:
+    return tuple(train(*MODELS[model], steps=STEPS)[1].losses)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("variant", ["checkpointing=full", "checkpointing=selective",
+                                     "checkpointing=offload"])
+def test_checkpointing_gives_the_losses_of_none_with_no_adapter(model, variant):
+    losses = train(*MODELS[model], variant, steps=STEPS)[1].losses
+    assert losses == pytest.approx(baseline_losses(model), rel=1e-6)
+
+
+@pytest.mark.parametrize("model", MODELS)
+@pytest.mark.parametrize("variant", [("precision=bf16",), ("optim.accumulate=4",
+                                                           "data.batch_size=1")])
+def test_precision_and_accumulation_run(model, variant):
+    metrics = train(*MODELS[model], *variant, steps=STEPS)[1]
+    assert len(metrics.losses) == STEPS and all(torch.isfinite(torch.tensor(metrics.losses)))
+
+
+# Larger than the tiny configs above, so that activations dominate the peak.
+GPT2_WIDER = ("model=hf", "model.arch=gpt2", "+model.config.n_layer=4", "+model.config.n_embd=64",
+              "+model.config.n_head=4", "+model.config.vocab_size=64", "data.batch_size=8",
+              "data.seq_len=64", "data.num_train=32", "data.num_eval=8")
+BERT_WIDER = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
+              "+model.config.num_hidden_layers=4", "+model.config.hidden_size=64",
+              "+model.config.num_attention_heads=4", "+model.config.intermediate_size=256",
+              "+model.config.vocab_size=64", "data.batch_size=8", "data.seq_len=64",
+              "data.num_train=32", "data.num_eval=8")
+
+
+@pytest.mark.parametrize("model", [GPT2_WIDER, BERT_WIDER], ids=["gpt2", "bert"])
+def test_full_checkpointing_measures_as_the_librarys_own(model):
+    ours = step_memory(*model, "checkpointing=full")
+    theirs = step_memory(*model, "model.gradient_checkpointing=true")
+    none = step_memory(*model)
+    assert ours["peak_bytes"] == pytest.approx(theirs["peak_bytes"], rel=0.01)
+    assert ours["saved_activations_bytes"] == pytest.approx(theirs["saved_activations_bytes"],
+                                                            rel=0.01)
+    assert ours["saved_activations_bytes"] < 0.5 * none["saved_activations_bytes"]
+
+
+def test_auto_finds_the_blocks_of_hf_and_memexp_models():
+    found = {name: resolve_blocks(build_model(compose_train(*overrides).model), ["auto"],
+                                  "checkpointing.blocks").summary()
+             for name, overrides in {"gpt2": GPT2, "bert": BERT, "user": USER,
+                                     "resnet": ("model=resnet",),
+                                     "transformer": ("model=transformer",)}.items()}
+    assert found == {"gpt2": {"class": "GPT2Block", "count": 2},
+                     "bert": {"class": "BertLayer", "count": 2},
+                     "user": {"class": "Layer", "count": 3},
+                     "resnet": {"class": "BasicBlock", "count": 8},
+                     "transformer": {"class": "Block", "count": 4}}
+
+
+def test_the_summary_and_result_json_name_the_blocks(tmp_path):
+    overrides = [*GPT2, "checkpointing=full", "parallel=fsdp", "trainer.max_steps=1",
+                 "logger=none"]
+    result = run_config(compose_train(*overrides), tmp_path, {"checkpointing": "full"},
+                        overrides, "test")
+    assert result["status"] == "ok"
+    blocks = {"class": "GPT2Block", "count": 2}
+    assert result["techniques"]["blocks"] == {"checkpointing": blocks, "parallel": blocks}
+    assert "blocks       GPT2Block x2 (checkpointing)" in summary(result, tmp_path)
+
+
+@pytest.mark.parametrize("model", [GPT2, BERT], ids=["gpt2", "bert"])
+def test_the_models_own_loss_equals_cross_entropy_on_its_logits(model):
+    own = train(*model, "loss=model", steps=STEPS)[1]
+    ours = train(*model, "loss=cross_entropy", steps=STEPS)[1]
+    assert own.losses == pytest.approx(ours.losses, rel=1e-6)
+    assert own.eval_accuracy == ours.eval_accuracy is not None
+
+
+def test_a_copy_of_the_blocks_that_forward_never_calls_fails_the_run():
+    with pytest.raises(RuntimeError) as raised:
+        train("model=custom", "model._target_=user_models.CopiedBlocks", *USER[2:],
+              "checkpointing=full", "checkpointing.blocks=[blocks.*]")
+    message = str(raised.value)
+    assert "checkpointing: none of the 3 modules it changed ran" in message
+    assert "blocks.0, blocks.1, blocks.2" in message
+
+
+def test_sequential_is_refused_where_forward_loops_over_the_blocks():
+    with pytest.raises(ValueError, match=r"sequential cuts one nn.Sequential.*GPT2Block x2 in "
+                                         r"transformer.h.*ModuleList"):
+        Trainer(compose_train(*GPT2, "checkpointing=sequential"))
+
+
+def test_a_sequence_longer_than_the_position_table_is_refused_by_run_and_estimate():
+    cfg = compose_train(*GPT2, "model.config.n_positions=16", "trainer.max_steps=1")
+    says = r"transformer.wpe \(nn.Embedding with 16 rows\) is looked up at index 31.*position"
+    with pytest.raises(ValueError, match=says):
+        Trainer(cfg).fit(NoLogger())
+    with pytest.raises(ValueError, match=says):
+        estimate(cfg)
+
+
+def test_token_ids_past_the_vocabulary_are_refused_naming_the_batch_key():
+    cfg = compose_train(*GPT2, "data.vocab_size=100", "trainer.max_steps=1")
+    says = r"transformer.wte \(nn.Embedding with 64 rows\).*the batch's 'input_ids'"
+    with pytest.raises(ValueError, match=says):
+        estimate(cfg)
+    with pytest.raises(ValueError, match=says):
+        Trainer(cfg).fit(NoLogger())
+
+
+def test_batch_keys_must_fit_the_forward_signature():
+    cfg = compose_train("model=custom", "model._target_=user_models.LayerStack", "data=hf_tokens")
+    with pytest.raises(ValueError, match=r"takes no \['input_ids', 'attention_mask'\]"):
+        Trainer(cfg)
+    with pytest.raises(ValueError, match=r"takes no \['input_ids', 'attention_mask'\]"):
+        estimate(cfg)
+
+
+def test_the_loader_gives_the_same_losses_with_worker_processes():
+    data = ("data=dataset", "data.train._target_=user_models.Tokens", "data.batch_size=4",
+            "model=custom", "model._target_=user_models.LayerStack", "optim=adamw")
+    alone = train(*data, steps=3)[1].losses
+    workers = train(*data, "data.num_workers=2", steps=3)[1].losses
+    assert workers == alone
+
+
+def test_a_loss_of_ones_own_and_mse():
+    half = train(*USER, "loss=custom", "loss._target_=user_models.half_cross_entropy")[1]
+    full = train(*USER)[1]
+    assert half.losses[0] == pytest.approx(full.losses[0] / 2, rel=1e-6)
+    assert half.eval_accuracy is None  # a callable of one's own reports no accuracy
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (("checkpointing=full", "checkpointing.blocks=[NoSuchClass]"),
+     r"'NoSuchClass' names no module class.*Classes that repeat: .*GPT2Block x2"),
+    (("checkpointing=full", "checkpointing.blocks=[decoder.layers.*]"),
+     r"'decoder.layers.\*' names no module.*Module names .*: transformer, .*lm_head"),
+    (("model.arch=nope",), r"model.arch=nope: not a transformers architecture.* bert, .*gpt2"),
+    (("model.task=translation",), r"task=translation: choose one of causal_lm"),
+], ids=["class", "glob", "arch", "task"])
+def test_bad_input_names_the_key_and_the_choices(overrides, says):
+    with pytest.raises(ValueError, match=says):
+        Trainer(compose_train(*GPT2, *overrides))
+
+
+def test_hf_local_reads_a_saved_dataset(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    rows = {"input_ids": [[i % 64] * 32 for i in range(16)], "labels": [[i % 64] * 32
+                                                                           for i in range(16)]}
+    split = datasets.Dataset.from_dict(rows)
+    datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "tokens"))
+    metrics = train(*GPT2[:8], "data=hf_local", f"data.path={tmp_path / 'tokens'}",
+                    "data.columns=[input_ids,labels]", "data.batch_size=4", steps=2)[1]
+    assert len(metrics.losses) == 2 and metrics.eval_accuracy is not None
+    with pytest.raises(ValueError, match=r"data.columns: \['attention_mask'\] not in"):
+        train(*GPT2[:8], "data=hf_local", f"data.path={tmp_path / 'tokens'}")
+    # parquet files by split: the same batches
+    for name in ("train", "test"):
+        split.to_parquet(str(tmp_path / f"{name}.parquet"))
+    files = (f"+data.data_files={{train: {tmp_path / 'train.parquet'}, "
+             f"test: {tmp_path / 'test.parquet'}}}")
+    from_files = compose_train(*GPT2[:8], "data=hf_local", "data.path=null", files,
+                               "data.columns=[input_ids,labels]", "data.batch_size=4")
+    batch = build(from_files.data).first_batch()
+    assert torch.equal(batch["input_ids"], build(compose_train(
+        *GPT2[:8], "data=hf_local", f"data.path={tmp_path / 'tokens'}",
+        "data.columns=[input_ids,labels]", "data.batch_size=4").data).first_batch()["input_ids"])
+
+
+def test_pretrained_loads_a_local_folder_and_says_what_is_missing(tmp_path):
+    model = build_model(compose_train(*GPT2).model)
+    model.save_pretrained(tmp_path / "gpt2")
+    loaded = build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'gpt2'}").model)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(),
+                                                 loaded.state_dict().values(), strict=True))
+    with pytest.raises(FileNotFoundError, match=r"model.pretrained=.*no config.json there"):
+        build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'none'}").model)
+
+
+def test_timm_models_run_where_timm_imports():
+    try:
+        import timm  # noqa: F401
+    except Exception as error:  # torchvision beside a CPU torch it was not built for
+        pytest.skip(f"timm does not import here: {type(error).__name__}: {error}")
+    metrics = train("model=timm", "model.name=resnet18", "checkpointing=full",
+                    "data.batch_size=4", "data.image_size=32", steps=1)[1]
+    assert len(metrics.losses) == 1
+
+
+def test_hf_config_keys_stay_as_documented():
+    """model=hf's keys, as other tools (the CUDA estimate shim) spell them."""
+    cfg = compose_train("model=hf", "model.arch=gpt2", "model.task=causal_lm",
+                        "+model.config.n_layer=4")
+    assert OmegaConf.to_container(cfg.model.config) == {"use_cache": False, "n_layer": 4}
+    assert cfg.data.task == "causal_lm" and cfg.loss.shift is True

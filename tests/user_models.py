@@ -1,0 +1,71 @@
+"""Models and datasets as a user writes them, for `model=custom` and `data=dataset`
+(tests/ is on sys.path under pytest): no `blocks` attribute, no adapter."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import Dataset
+
+
+class Layer(nn.Module):
+    def __init__(self, width: int, dropout: float):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.up, self.down = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.dropout(self.down(F.gelu(self.up(self.norm(x)))))
+
+
+class LayerStack(nn.Module):
+    """Token embeddings, layers in an nn.ModuleList that forward loops over, a head; returns a
+    tuple (logits, last hidden state)."""
+
+    def __init__(self, vocab_size: int = 64, width: int = 32, depth: int = 3,
+                 dropout: float = 0.1):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.layers = nn.ModuleList(Layer(width, dropout) for _ in range(depth))
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.embed(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x), x
+
+
+class CopiedBlocks(LayerStack):
+    """The trap: `blocks` is a copy of the layers, and forward never calls it."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.blocks = copy.deepcopy(nn.Sequential(*self.layers))
+
+
+class Tokens(Dataset):
+    """`size` pairs (tokens, next tokens) of a counting sequence with noise, made from the index
+    alone, so that every worker process makes the same items."""
+
+    def __init__(self, size: int = 64, seq_len: int = 16, vocab_size: int = 64):
+        self.size, self.seq_len, self.vocab_size = size, seq_len, vocab_size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[Tensor, Tensor]:
+        generator = torch.Generator().manual_seed(index)
+        start = torch.randint(self.vocab_size, (), generator=generator)
+        tokens = (start + torch.arange(self.seq_len + 1)) % self.vocab_size
+        return tokens[:-1], tokens[1:]
+
+
+def half_cross_entropy(outputs, batch) -> Tensor:
+    """A loss of one's own: (outputs, batch) -> loss."""
+    logits, targets = outputs.logits, batch[1]
+    return 0.5 * F.cross_entropy(logits.flatten(0, -2), targets.flatten())
