@@ -5,7 +5,8 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memexp-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run train test test-fast lint bench bench-techniques slurm-up slurm-down clean
+.PHONY: help install run train test test-fast lint bench bench-techniques slurm-up slurm-down \
+	cuda-estimator clean
 
 help: ## list the targets
 	@grep -E '^[a-zA-Z_-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/' | awk -F'\t' '{printf "  %-10s %s\n", $$1, $$2}'
@@ -48,6 +49,23 @@ slurm-up: ## a one-node SLURM cluster on this machine (root, Debian/Ubuntu; inst
 
 slurm-down: ## stop the daemons slurm-up started
 	scripts/slurm-local down
+
+# Opt-in, and apart from the two set-up commands: a second venv with a CUDA build of torch
+# (about 5.5 GB), in which `memexp estimate --target cuda` traces CUDA's own ops on a fake
+# device (memexp.cudatrace); the fake device's C sources are built here with gcc.
+CUDA_VENV ?= .venv-cuda
+CUDA_TORCH ?= torch==2.14.1
+CUDA_STAMP := $(CUDA_VENV)/.memexp-installed
+
+$(CUDA_STAMP): pyproject.toml
+	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
+	$(CUDA_VENV)/bin/python -m pip install --quiet $(CUDA_TORCH)
+	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[dev,lowbit]'
+	touch $@
+
+cuda-estimator: $(CUDA_STAMP) ## opt-in: .venv-cuda, a CUDA build of torch for CUDA-faithful estimates (~5.5 GB)
+	$(CUDA_VENV)/bin/python -c "from pathlib import Path; from memexp import fakecuda; \
+	print('fake CUDA device built in', fakecuda.build(Path('$(CUDA_VENV)/memexp-fakecuda')))"
 
 clean: ## remove outputs (keeps .venv)
 	rm -rf outputs multirun .pytest_cache

@@ -137,3 +137,30 @@ def test_accumulation_cuts_activations_to_a_quarter():
     whole = step_memory(*RESNET, "data.batch_size=32")["activations_peak_bytes"]
     quarter = step_memory(*RESNET, "data.batch_size=8", "optim.accumulate=4")
     assert quarter["activations_peak_bytes"] == pytest.approx(whole / 4, rel=0.15)
+
+
+def test_optimizer_step_temporaries_loop_foreach_and_fused():
+    """AdamW's step: the per-parameter loop holds temporaries of one parameter (two of the
+    largest), the foreach kernels a list the size of all of them, the fused kernel none."""
+    sizes = [p.numel() * p.element_size() for p in Trainer(compose_train(*MLP)).model.parameters()]
+
+    def temporaries(option: str) -> int:
+        memory = step_memory(*MLP, "optim=adamw", option)
+        return memory["phases"]["optimizer"]["breakdown"]["other"]
+
+    assert temporaries("optim.foreach=false") <= 2 * max(sizes) + 64 * 1024
+    assert temporaries("optim.foreach=true") >= sum(sizes)
+    assert temporaries("optim.fused=true") <= 64 * 1024
+
+
+def test_keep_grads_holds_gradients_through_the_next_forward_with_the_same_losses():
+    sizes = [p.numel() * p.element_size() for p in Trainer(compose_train(*MLP)).model.parameters()]
+    freed = step_memory(*MLP, "optim=adamw", steps=2)["phases"]["forward"]["breakdown"]
+    kept = step_memory(*MLP, "optim=adamw", "optim.keep_grads=true", steps=2)
+    assert freed["grads"] == 0
+    assert kept["phases"]["forward"]["breakdown"]["grads"] == sum(sizes)
+    # zeroed in place, then accumulated into: 0 + g == g, so the math is the same, bitwise
+    assert train(*MLP, "optim=adamw", steps=3)[1].losses == train(
+        *MLP, "optim=adamw", "optim.keep_grads=true", steps=3)[1].losses
+    with pytest.raises(ValueError, match="optim.keep_grads=true"):
+        Trainer(compose_train(*MLP, "optim.in_backward=true", "optim.keep_grads=true"))

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from memexp.errors import BAD_INPUT
 from memexp.errors import describe as describe_error
+from memexp.gpus import GPUS, gpu
 from memexp.result import BadRecord, load_record, summary
 
 
@@ -48,16 +49,25 @@ def report(args: argparse.Namespace) -> int:
     return 1 if written.skipped else 0  # the report is written, without those records
 
 
+def gpu_for(args: argparse.Namespace) -> str:
+    """The GPU a CUDA estimate is for: --gpu, h100 by default; refused for a CPU estimate."""
+    if args.gpu is not None and args.target != "cuda":
+        raise ValueError(f"--gpu {args.gpu} is for --target cuda (this estimate is for the CPU)")
+    return args.gpu or "h100"
+
+
 def estimate(args: argparse.Namespace) -> int:
-    from memexp.estimate import compose_config, describe
+    from memexp.estimate import attention_kernels, compose_config, describe
     from memexp.estimate import estimate as predict
 
     cfg = compose_config(args.overrides)
-    result = predict(cfg, target=args.target)
+    result = predict(cfg, target=args.target, gpu_key=gpu_for(args))
     if args.json:
         print(json.dumps({"memory": result.memory, "parameters": result.parameters,
                           "flops_per_step": result.flops, "seconds": result.seconds,
-                          "target": result.target}, indent=2))
+                          "target": result.target, "trace": result.trace, "gpu": result.gpu,
+                          "torch": result.torch, "attention": attention_kernels(result)},
+                         indent=2))
     else:
         print(describe(cfg, result))
     return 0
@@ -77,12 +87,17 @@ def find_batch(args: argparse.Namespace) -> int:
 def plan(args: argparse.Namespace) -> int:
     from memexp import plan as planner
 
-    budgets = [a for a in args.arguments if a.startswith("budget=")]
+    budgets = [a.split("=", 1)[1] for a in args.arguments if a.startswith("budget=")]
+    if not budgets and args.target == "cuda":
+        # The GPU's capacity: what its memory leaves torch's allocator beside the context.
+        device = gpu(gpu_for(args))
+        budgets = [f"{(device.memory - device.context) // 2**20}MiB"]
     if len(budgets) != 1:
-        raise ValueError("memexp plan needs one budget=<size>, such as budget=24GiB")
-    budget = budgets[0].split("=", 1)[1]
+        raise ValueError("memexp plan needs one budget=<size>, such as budget=24GiB "
+                         "(with --target cuda, the --gpu's memory by default)")
+    budget = budgets[0]
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
-    plans = planner.plan(arguments, budget, args.target,
+    plans = planner.plan(arguments, budget, args.target, gpu_for(args),
                          show=lambda line: print(line, file=sys.stderr, flush=True))
     print(planner.describe(arguments, budget, plans))
     if args.verify:
@@ -107,8 +122,14 @@ def main(argv: list[str] | None = None) -> int:
         "estimate", help="predict a run's peak memory by phase and category, allocating nothing")
     estimate_parser.add_argument("overrides", nargs="*",
                                  help="what you would give train.py: model=transformer ...")
-    estimate_parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
-                                 help="cuda: model the caching allocator (allocated and reserved)")
+    estimate_parser.add_argument(
+        "--target", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: CUDA's own ops where a CUDA build is installed (make cuda-estimator), else "
+             "the CPU kernels as a stand-in; the caching allocator, cuBLAS workspaces and the "
+             "CUDA context are modelled")
+    estimate_parser.add_argument("--gpu", choices=sorted(GPUS), metavar="GPU",
+                                 help="the GPU a cuda estimate is for (default h100): "
+                                      + ", ".join(GPUS))
     estimate_parser.add_argument("--json", action="store_true", help="print JSON")
     estimate_parser.set_defaults(handler=estimate)
     batch_parser = commands.add_parser(
@@ -122,7 +143,11 @@ def main(argv: list[str] | None = None) -> int:
                              " precision=fp32,bf16 (and checkpointing, optim, bn_mode, "
                              "optim.accumulate) narrows the search")
     plan_parser.add_argument("--target", choices=("cpu", "cuda"), default="cpu",
-                             help="cuda: model the caching allocator (fits = reserved memory)")
+                             help="cuda: estimate as `memexp estimate --target cuda` does "
+                                  "(fits = reserved memory)")
+    plan_parser.add_argument("--gpu", choices=sorted(GPUS), metavar="GPU",
+                             help="the GPU of a cuda plan (default h100); without budget=, its "
+                                  "memory less the CUDA context")
     plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
                              help="run the K cheapest plans for real and compare")
     plan_parser.add_argument("--verify-steps", type=int, default=5,

@@ -7,6 +7,12 @@ the fake storages exactly as it counts real ones. Two steps, because the optimiz
 step 1 creates is alive throughout step 2. Nothing is allocated, so a 7B-parameter model is
 estimated on a laptop; the time goes into Python dispatch, a few seconds per thousand ops.
 
+For `target="cuda"` the ops are CUDA's own where a CUDA build of torch is installed: the
+trace runs in that build's process on a fake device (memexp.cudatrace); elsewhere the CPU
+kernels stand in. Either way the caching allocator's rounding is modelled
+(memexp.memory.allocator), so allocated and reserved bytes are both predicted, and what no trace
+shows (cuBLAS workspaces, the CUDA context) is added on lines of its own.
+
 Before tracing, what values decide is checked for real (memexp.prechecks.dry_run): the batch's
 keys, token ids and positions against every embedding, targets against the model's classes. A
 config that a real run would refuse gets the same error, not a number.
@@ -14,27 +20,33 @@ config that a real run would refuse gets the same error, not a number.
 Where the estimate and a real run can differ:
 - values are unknown: a Python branch on a tensor's value (`loss.item()`, a found-inf check)
   sees 0, or True for a boolean, so a fake fp16 step is never skipped;
-- on CUDA, kernels may keep different workspaces than the CPU kernels traced here, and the
-  caching allocator rounds every block; `target="cuda"` models that rounding
-  (memexp.memory.allocator), so allocated and reserved bytes are both predicted.
+- with the CPU stand-in, CUDA's choices are not seen: its autocast op lists, its attention
+  kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
+  norm, fused optimizers;
+- cuDNN convolution workspaces are not counted: cuDNN sizes them at run time and torch skips a
+  plan whose workspace does not fit, so they take only memory that is free.
 """
 
 from __future__ import annotations
 
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from contextlib import ExitStack
+from dataclasses import dataclass, field
 
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
+from torch import nn
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 
+from memexp import cudatrace
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
+from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
 from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
@@ -74,13 +86,24 @@ def compose_config(overrides: list[str]) -> DictConfig:
         return compose("train", overrides=overrides)
 
 
+class _FakeCudaTensorMode(FakeTensorMode):
+    """FakeTensorMode for a CUDA trace. torch avoids device initialisation only when it sees no
+    GPU; the fake device is seen, so this says it outright: constants stay fake instead of being
+    copied to the device (which the fake device refuses)."""
+
+    avoid_device_init = True
+
+
 class _FlopsByPhase(TorchDispatchMode):
     """FLOPs of matmuls and convolutions (torch's own formulas), by the meter's phase: backward
-    includes what activation checkpointing recomputes."""
+    includes what activation checkpointing recomputes. Also the ops each phase ran, with the
+    dtype of their (first) output: which attention kernel, which optimizer ops, what autocast
+    ran in half."""
 
     def __init__(self):
         super().__init__()
         self.by_phase: dict[str, int] = defaultdict(int)
+        self.ops: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.phase = lambda: "other"
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -96,7 +119,15 @@ class _FlopsByPhase(TorchDispatchMode):
         out = func(*args, **kwargs)
         if formula is not None:
             self.by_phase[self.phase()] += formula(*args, **kwargs, out_val=out)
+        self.ops[self.phase()][str(func._overloadpacket)].add(_first_dtype(out))
         return out
+
+
+def _first_dtype(out) -> str:
+    """The dtype of an op's first tensor output ("-" for none)."""
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    tensor = next((o for o in leaves if isinstance(o, torch.Tensor)), None)
+    return "-" if tensor is None else str(tensor.dtype).removeprefix("torch.")
 
 
 @dataclass
@@ -107,33 +138,111 @@ class Estimate:
     flops: dict[str, int]
     seconds: float  # how long the estimate took
     target: str  # "cpu" (what the tracker counts) or "cuda" (the caching allocator's view)
+    # whose kernels were traced: "cpu", "cuda" (a CUDA build on the fake device), or "cpu
+    # stand-in" (a CUDA estimate traced on CPU kernels: no CUDA build installed)
+    trace: str = "cpu"
+    gpu: str | None = None  # the memexp.gpus key of a CUDA estimate
+    torch: str = torch.__version__  # the torch that traced
+    # the aten ops each phase ran, with the dtypes of their first outputs ("-": no tensor out)
+    ops: dict[str, dict[str, list[str]]] = field(default_factory=dict)
+    # a CUDA trace's device: its name and capability, the driver libraries the trace process
+    # loaded, and the CUDA runtime calls the fake device answered
+    device: dict = field(default_factory=dict)
 
 
-def estimate(cfg: DictConfig, target: str = "cpu") -> Estimate:
-    """Predict the peak memory of the run `cfg` describes, on a CPU or a CUDA device."""
+def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100") -> Estimate:
+    """Predict the peak memory of the run `cfg` describes, on a CPU or on the GPU `gpu_key`
+    (memexp.gpus; for target="cuda")."""
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
     check_estimable(get_class(cfg.parallel._target_))
+    if target == "cpu":
+        return trace(cfg, "cpu")
+    device = gpu(gpu_key)
+    if torch.cuda.is_available():  # the trace process, on its fake device (or a real GPU)
+        return trace(cfg, "cuda", device)
+    python = cudatrace.cuda_python()
+    if python is None:
+        return trace(cfg, "cpu", device)
+    return Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True), device, python))
+
+
+def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
+    """Trace the run's first steps on `kernels` ("cpu" or "cuda"). For a GPU `device`, model
+    the caching allocator and the cuBLAS workspaces, and add the CUDA context."""
     started = time.perf_counter()
-    cfg = steps_to_trace(cfg)
-    allocator = CachingAllocatorModel() if target == "cuda" else None
+    cfg = steps_to_trace(cfg, kernels)
+    allocator = CachingAllocatorModel() if device is not None else None
     data = build(stand_in_data(cfg.data))
     check_before_tracing(cfg, data)
-    fake, flops = FakeTensorMode(allow_non_fake_inputs=True), _FlopsByPhase()
-    with fake, _UnknownValues(fake):
-        trainer = Trainer(cfg, allocator=allocator, data=data)
+    if kernels == "cuda":
+        torch.cuda.init()  # torch's per-device tables, filled from the device's answers
+    fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
+        allow_non_fake_inputs=True)
+    flops = _FlopsByPhase()
+    # The model is built on the meta device and given fake storage: initialisers skip meta
+    # tensors, and some loop on values a trace does not have (nn.init.trunc_normal_ resamples
+    # until no value is out of range). Values never change memory.
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    with fake, _UnknownValues(fake), ExitStack() as modes:
+        trainer = Trainer(cfg, allocator=allocator, data=data, model=with_storage(model))
         flops.phase = lambda: trainer.meter.tracker.phase
+        if device is not None:
+            workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
+            workspaces.phase = flops.phase
         with flops:
             trainer.fit(NoLogger())
     memory = trainer.meter.report()
-    memory["source"] = f"estimate ({target})"
-    if allocator is not None:
-        memory["reserved_peak_bytes"] = allocator.reserved_peak
+    memory["source"] = f"estimate ({'cpu' if device is None else 'cuda'})"
+    if device is not None:
+        memory.update(untraced_memory(memory["peak_bytes"], allocator, workspaces.total, device))
     # Two training steps and two eval batches were traced.
     per_step = {phase: flops.by_phase[phase] // 2
                 for phase in ("forward", "backward", "optimizer", "eval")}
     parameters = sum(p.numel() for p in trainer.model.parameters())
-    return Estimate(memory, parameters, per_step, time.perf_counter() - started, target)
+    return Estimate(
+        memory, parameters, per_step, time.perf_counter() - started,
+        target="cpu" if device is None else "cuda",
+        trace=kernels if device is None or kernels == "cuda" else "cpu stand-in",
+        gpu=None if device is None else device.key,
+        ops={phase: {op: sorted(dtypes) for op, dtypes in sorted(ops.items())}
+             for phase, ops in flops.ops.items()})
+
+
+def with_storage(model: nn.Module) -> nn.Module:
+    """`model`'s meta tensors replaced by uninitialised CPU ones (fake, under FakeTensorMode),
+    keeping tied weights tied: one tensor shared by two modules (GPT-2's embedding and output
+    head) gets one replacement. `Module.to_empty` would give each module its own."""
+    replaced: dict[int, torch.Tensor] = {}
+
+    def replacement(tensor: torch.Tensor) -> torch.Tensor:
+        if id(tensor) not in replaced:
+            empty = torch.empty(tensor.shape, dtype=tensor.dtype)
+            replaced[id(tensor)] = (nn.Parameter(empty, tensor.requires_grad)
+                                    if isinstance(tensor, nn.Parameter) else empty)
+        return replaced[id(tensor)]
+
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for name, tensor in table.items():
+                if tensor is not None:
+                    table[name] = replacement(tensor)
+    return model
+
+
+def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspaces: int,
+                    device: Gpu) -> dict:
+    """A CUDA estimate's totals, with what no trace shows on lines of its own."""
+    return {
+        # inside torch's allocator: torch.cuda.max_memory_allocated() and _reserved() count it
+        "cublas_workspace_bytes": workspaces,
+        "allocated_peak_bytes": traced_peak + workspaces,
+        "reserved_peak_bytes": allocator.reserved_peak,
+        # outside it: nvidia-smi counts it (memexp.gpus, LAZY_CONTEXT)
+        "context_bytes": device.context,
+        "device_peak_bytes": allocator.reserved_peak + device.context,
+    }
 
 
 def check_before_tracing(cfg: DictConfig, data) -> None:
@@ -162,30 +271,40 @@ def stand_in_data(data: DictConfig) -> DictConfig:
     return stand_in
 
 
-def steps_to_trace(cfg: DictConfig) -> DictConfig:
-    """The run, cut to what sets its peak: two steps and two eval batches, on the CPU kernels,
-    with nothing written. A synthetic eval set shrinks to two batches (the second is fetched
-    while the first is still referenced, and every later one repeats that); the train set keeps
-    its size, because the epoch's sample order is a live tensor of that size."""
+def steps_to_trace(cfg: DictConfig, kernels: str = "cpu") -> DictConfig:
+    """The run, cut to what sets its peak: two steps and two eval batches, on the device whose
+    kernels are traced, with nothing written. A synthetic eval set shrinks to two batches (the
+    second is fetched while the first is still referenced, and every later one repeats that);
+    the train set keeps its size, because the epoch's sample order is a live tensor of that
+    size."""
     cfg = first_steps(cfg)
     with open_dict(cfg):
-        cfg.trainer.update(device="cpu", warmup_steps=0)
+        cfg.trainer.update(device=kernels, warmup_steps=0)
         cfg.memory.update(track=True, budget=None)
         if "num_eval" in cfg.data:  # the synthetic sets (real readers have a fixed size)
             cfg.data.num_eval = min(cfg.data.num_eval, 2 * cfg.data.eval_batch_size)
     return cfg
 
 
+def attention_kernels(result: Estimate) -> list[str]:
+    """The attention ops the forward pass ran: the kernel torch's SDPA selector picked, or a
+    math path's matmuls when there is none (then the attention matrix is kept)."""
+    return sorted({op for op in result.ops.get("forward", ())
+                   if op.startswith("aten._scaled_dot_product_")
+                   or op.endswith(("_flash_attention_forward", "_efficient_attention_forward"))})
+
+
 def describe(cfg: DictConfig, result: Estimate) -> str:
-    """The estimate for people: the peak, and each phase's peak by category."""
+    """The estimate for people: the peak, and each phase's peak by category; for CUDA also
+    the trace used, the attention kernel, and what no trace shows."""
     memory = result.memory
-    device = "a CUDA device (caching allocator modelled)" if result.target == "cuda" else "CPU"
-    lines = [f"memexp estimate for {device}: {result.parameters / 1e6:,.1f}M parameters, "
-             f"batch {cfg.data.batch_size} x accumulate {cfg.optim.accumulate} "
-             f"({result.seconds:.1f} s, nothing allocated)",
-             f"  peak         {mib(memory['peak_bytes'])} in {memory['peak_phase']}"]
+    lines = [f"memexp estimate for {device_label(result)}: {result.parameters / 1e6:,.1f}M "
+             f"parameters, batch {cfg.data.batch_size} x accumulate {cfg.optim.accumulate} "
+             f"({result.seconds:.1f} s, nothing allocated)"]
     if result.target == "cuda":
-        lines.append(f"  reserved     {mib(memory['reserved_peak_bytes'])} (allocator segments)")
+        lines += cuda_lines(result)
+    else:
+        lines.append(f"  peak         {mib(memory['peak_bytes'])} in {memory['peak_phase']}")
     header = f"  {'phase':<10}{'peak':>12}" + "".join(f"{c:>13}" for c in CATEGORY_ORDER)
     lines += ["", header]
     for name, phase in memory["phases"].items():
@@ -196,3 +315,44 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
               f"{flops['backward'] / 1e9:,.2f} G (recomputation included), eval batch "
               f"{flops['eval'] / 1e9:,.2f} G"]
     return "\n".join(lines)
+
+
+def device_label(result: Estimate) -> str:
+    if result.target == "cpu":
+        return "CPU"
+    device = gpu(result.gpu)
+    return f"{device.name} ({device.key}, {device.sm})"
+
+
+def cuda_lines(result: Estimate) -> list[str]:
+    """Which trace was used, the attention kernel, and the totals a CUDA run's counters show,
+    with what no trace shows on its own line."""
+    memory, device = result.memory, gpu(result.gpu)
+    if result.trace == "cuda":
+        trace_line = (f"CUDA ops: torch {result.torch} on a fake {device.sm} device "
+                      "(memexp.fakecuda)")
+    else:
+        trace_line = (f"CPU stand-in: torch {result.torch}'s CPU kernels, as no CUDA build of "
+                      "torch was found (`make cuda-estimator` installs one): CUDA's own "
+                      "choices are not seen")
+    attention = attention_kernels(result)
+    workspaces = memory["cublas_workspace_bytes"]
+    lines = [f"  trace        {trace_line}"]
+    if attention:
+        lines.append(f"  attention    {', '.join(attention)}")
+    lines += [
+        f"  peak         {mib(memory['peak_bytes']):>10}  in {memory['peak_phase']}: traced "
+        "tensors, in the caching allocator's blocks",
+        f"  + cuBLAS     {mib(workspaces):>10}  workspaces of the threads that call cuBLAS "
+        f"({mib(cudatrace.cublas_workspace(device))} each on {device.sm}, + 1 MiB for cublasLt)",
+        f"  = allocated  {mib(memory['allocated_peak_bytes']):>10}  compare "
+        "torch.cuda.max_memory_allocated()",
+        f"  reserved     {mib(memory['reserved_peak_bytes']):>10}  compare "
+        "torch.cuda.max_memory_reserved()",
+        f"  + context    {mib(memory['context_bytes']):>10}  the CUDA context, modelled "
+        "(memexp.gpus); outside torch's allocator",
+        f"  = device     {mib(memory['device_peak_bytes']):>10}  compare nvidia-smi; the "
+        f"{device.key} has {mib(device.memory)}",
+        "  not counted  cuDNN's convolution workspaces (sized at run time from free memory)",
+    ]
+    return lines

@@ -112,6 +112,7 @@ def has_batch_norm(cfg: DictConfig) -> bool:
 
 
 def plan(arguments: list[str], budget: str, target: str = "cpu",
+         gpu: str = "h100",
          show: Callable[[str], None] = lambda line: None) -> list[Plan]:
     """Every searched combination's cheapest fitting way to run, cheapest first (with, after
     them, the ones that fit in no way, as `fits=False`). `show` gets a line for each candidate
@@ -143,7 +144,7 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
             cfg = compose_config([*fixed, *overrides])
-            result = estimate(cfg, target)
+            result = estimate(cfg, target, gpu)
             key = (precision, optim, bn_mode, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if checkpointing == "none":

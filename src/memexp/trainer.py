@@ -159,10 +159,12 @@ class Metrics:
 class Trainer:
     """Build with `Trainer(cfg, run_dir)`, train with `fit()`; the meter is `trainer.meter`.
     Checkpoints need a run folder (they live in `<run_dir>/checkpoints`). Estimates pass an
-    `allocator` model, and `data` built outside their fake tensors."""
+    `allocator` model, `data` built outside their fake tensors, and the `model`, uninitialised
+    (memexp.estimate.trace)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path | None = None,
-                 allocator: CachingAllocatorModel | None = None, data: Data | None = None):
+                 allocator: CachingAllocatorModel | None = None, data: Data | None = None,
+                 model: nn.Module | None = None):
         self.cfg = cfg
         validate(cfg.trainer)
         if cfg.trainer.checkpoint_every and run_dir is None:
@@ -180,7 +182,7 @@ class Trainer:
         check_combination(self.precision, self.optim, self.parallel, self.bn_mode, self.device,
                           cfg.trainer.checkpoint_every)
 
-        model = build_model(cfg.model)
+        model = build_model(cfg.model) if model is None else model
         check_signature(model, self.data.first_batch(), self.loss.passes_labels)
         # The techniques, in this order:
         # 1. BatchNorm changes first: they need the model's raw Conv->BN structure.
@@ -262,8 +264,9 @@ class Trainer:
             else:
                 # A non-finite loss never reaches the weights; fit() stops after max_bad_steps.
                 self.metrics.bad_steps += 1
-            # Free the gradients now: no need for this memory until the next backward.
-            self.optimizer.zero_grad(set_to_none=True)
+            # Free the gradients now: no need for this memory until the next backward
+            # (optim.keep_grads zeroes them in place instead, as torch < 2.0 did).
+            self.optimizer.zero_grad(set_to_none=not self.optim.keep_grads)
         meter.end_step()
         return total
 

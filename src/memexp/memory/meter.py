@@ -135,9 +135,12 @@ class MemoryMeter:
                              "measure every step")
         self.measure_steps = None if not cuda and (budget or snapshot_to) else measure_steps
         timeline = Timeline(snapshot_entries) if snapshot_to and not cuda else None
+        # On a CPU run every tensor is device memory: no per-op device check is needed.
         self.tracker = (LiveStorageTracker(self._roles, None if cuda else budget, timeline,
-                                           allocator) if track else None)
-        self.counters = CudaCounters(device) if cuda else None
+                                           allocator, device.type if cuda else None)
+                        if track else None)
+        # An estimate for CUDA counts with its allocator model: a fake device has no counters.
+        self.counters = CudaCounters(device) if cuda and allocator is None else None
         if budget is not None and cuda:
             limit_cuda_memory(device, budget)
         self.snapshot_to, self.snapshot_entries = snapshot_to, snapshot_entries

@@ -131,7 +131,11 @@ class LiveStorageTracker(TorchDispatchMode):
 
     `roles` maps id(storage) to a category for storages whose role is known from the outside
     (parameters, gradients, optimizer state); everything else is classified by the phase that
-    created it (see ACTIVATION_PHASES). Building that map walks every parameter and optimizer
+    created it (see ACTIVATION_PHASES). With `device_type` set, tensors on other devices are not
+    device memory and are skipped (a CUDA run's batch before it is copied over), unless they are
+    declared host-resident (`host_resident()`).
+
+    Building that map walks every parameter and optimizer
     tensor, so it is not rebuilt at every new peak: each storage keeps its role, looked up at a
     phase's first new peak (roles given in the previous phase: optimizer state, gradients of
     another rank) and at the end of a phase that reached one (roles given after the peak: SGD
@@ -146,9 +150,10 @@ class LiveStorageTracker(TorchDispatchMode):
 
     def __init__(self, roles: Callable[[], dict[int, str]] = dict, budget: int | None = None,
                  timeline: Timeline | None = None,
-                 allocator: CachingAllocatorModel | None = None):
+                 allocator: CachingAllocatorModel | None = None, device_type: str | None = None):
         super().__init__()
         self._roles = roles
+        self.device_type = device_type
         # estimates for CUDA: count each storage as the caching allocator's block for it
         self.allocator = allocator
         # memory.budget: the size of the device this run pretends to have
@@ -191,12 +196,15 @@ class LiveStorageTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if _WRAPPER_TYPES.get(type(out)) is False:  # most ops: one plain tensor, inlined
-            try:
-                storage = out.untyped_storage()
-            except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
+            if self.device_type is not None and not self._on_device(out):
                 grew = False
             else:
-                grew = self._record(storage)
+                try:
+                    storage = out.untyped_storage()
+                except (NotImplementedError, RuntimeError):  # sparse and storage-less layouts
+                    grew = False
+                else:
+                    grew = self._record(storage)
         elif isinstance(out, torch.Tensor):
             grew = self._track_tensor(out)
         elif out is None:
@@ -221,8 +229,15 @@ class LiveStorageTracker(TorchDispatchMode):
         if grew:
             self._maybe_peak()
 
+    def _on_device(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is memory of the device counted (with `device_type` set; a fake
+        tensor's storage is on "meta", so the tensor says where it lives)."""
+        return tensor.device.type == self.device_type or _host_depth > 0
+
     def _track_tensor(self, tensor: torch.Tensor) -> bool:
         """Record `tensor`'s storages; True if device memory grew."""
+        if self.device_type is not None and not self._on_device(tensor):
+            return False
         if not _is_wrapper(type(tensor)):  # the common case, without building a list
             try:
                 storage = tensor.untyped_storage()

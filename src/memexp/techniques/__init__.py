@@ -41,6 +41,9 @@ def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
             "backward uses each gradient at once, so gradients cannot accumulate over "
             "micro-batches. Use one or the other."
         )
+    if optim.in_backward and optim.keep_grads:
+        raise ValueError("optim.in_backward=true with optim.keep_grads=true: stepping inside "
+                         "backward frees each gradient as it is used. Use one or the other.")
     if optim.in_backward and precision.needs_all_grads:
         raise ValueError(
             "optim.in_backward=true steps each parameter inside backward, as soon as its "

@@ -1,8 +1,9 @@
 """optim: the optimizer, when it steps (gradient accumulation), and where (optimizer in backward).
 
-Every option has `lr`, `accumulate` and `in_backward`; `build(params)` returns the optimizer the
-trainer steps. Gradients are always zeroed with set_to_none (the trainer does it right after the
-step), so no gradient memory lives between steps.
+Every option has `lr`, `accumulate`, `in_backward` and `keep_grads`; `build(params)` returns the
+optimizer the trainer steps. Gradients are zeroed with set_to_none (the trainer does it right
+after the step), so no gradient memory lives between steps, unless keep_grads asks for the old
+way.
 """
 
 from __future__ import annotations
@@ -69,11 +70,16 @@ class OptimizerChoice:
                  (MMEngine's accumulative_counts, Lightning's accumulate_grad_batches).
     in_backward: step each parameter as soon as its gradient is complete (StepInBackward);
                  not with accumulate > 1 (memexp.techniques.check_combination).
+    keep_grads:  zero gradients in place after the step instead of freeing them (torch < 2.0's
+                 `zero_grad()` default, set_to_none=False): they stay allocated through the
+                 next forward pass. For comparing with runs made that way; it only costs memory.
+                 Not with in_backward.
     """
 
     lr: float
     accumulate: int = 1
     in_backward: bool = False
+    keep_grads: bool = False
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -106,19 +112,28 @@ class SGD(OptimizerChoice):
 
 @dataclass(kw_only=True)
 class Adam(OptimizerChoice):
-    """Adam: two moments per parameter, 8 bytes per fp32 parameter."""
+    """Adam: two moments per parameter, 8 bytes per fp32 parameter.
+
+    fused:   torch's fused kernel (one kernel per step, `_fused_adam_`) instead of its default
+             foreach kernels, whose per-step temporaries are lists the size of the parameters.
+    foreach: false: torch's loop over parameters, whose temporaries are one parameter's size;
+             null: torch's choice (foreach on CUDA).
+    """
 
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    fused: bool = False
+    foreach: bool | None = None
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         return torch.optim.Adam
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                      weight_decay=self.weight_decay)
+                                      weight_decay=self.weight_decay, fused=self.fused or None,
+                                      foreach=self.foreach)
 
 
 @dataclass(kw_only=True)
@@ -153,6 +168,16 @@ class AdamW8bit(AdamW):
     """AdamW with block-quantized 8-bit moments (torchao's AdamW8bit): about 2 bytes of state per
     parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
     to 32-bit AdamW, which would measure the wrong thing."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.fused or self.foreach is not None:
+            raise ValueError("optim.fused and optim.foreach: optim=adamw_8bit has one kernel of "
+                             "its own; leave them unset (false and null)")
+
+    def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
+        return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
+                                      weight_decay=self.weight_decay)
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
         try:
