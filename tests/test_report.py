@@ -40,15 +40,23 @@ def test_pareto_front_keeps_what_nothing_beats():
     assert pareto_front(points) == [0, 1, 3]
 
 
-def result(overrides: list[str], peak: float, step: float, accuracy: float,
-           status: str = "ok", **techniques) -> dict:
-    chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
-              "bn_mode": "train", **techniques}
-    # the resolved config names each option's class, whose `baseline` the report reads
-    config = {group: {"_target_": yaml.safe_load(
+def chosen_techniques(**techniques: str) -> dict[str, str]:
+    return {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
+            "bn_mode": "train", **techniques}
+
+
+def config_of(chosen: dict[str, str]) -> dict:
+    """The resolved config names each option's class, whose `baseline` the report reads."""
+    return {group: {"_target_": yaml.safe_load(
         (config_dir() / group / f"{option}.yaml").read_text())["_target_"]}
         for group, option in chosen.items()}
-    return {"status": status, "overrides": overrides, "techniques": chosen, "config": config,
+
+
+def result(overrides: list[str], peak: float, step: float, accuracy: float,
+           status: str = "ok", **techniques) -> dict:
+    chosen = chosen_techniques(**techniques)
+    return {"status": status, "overrides": overrides, "techniques": chosen,
+            "config": config_of(chosen),
             "memory": {"peak_bytes": int(peak * GIB)} if status == "ok" else None,
             "metrics": {"step_time_s": step, "eval_accuracy": accuracy, "throughput": 1 / step,
                         "throughput_unit": "samples/s"} if status == "ok" else None}

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from test_report import rows_of
+from test_report import chosen_techniques, config_of, rows_of
 
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick
@@ -94,12 +94,12 @@ def test_the_peak_is_classified_as_it_was_at_the_peak():
 def result(overrides: list[str], step: float, spread: float = 0.01, peak: int | None = 100,
            tracked_time: bool = False, busy: bool = False, batch: int = 64,
            accumulate: int = 1, **techniques) -> dict:
-    chosen = {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
-              "bn_mode": "train", **techniques}
+    chosen = chosen_techniques(**techniques)
     timing = {"step_time_s": step, "step_time_iqr_s": [step - spread, step + spread],
               "tracked": tracked_time, "busy": busy}
     return {"status": "ok", "overrides": overrides, "techniques": chosen,
-            "config": {"data": {"batch_size": batch}, "optim": {"accumulate": accumulate}},
+            "config": {**config_of(chosen), "data": {"batch_size": batch},
+                       "optim": {"accumulate": accumulate}},
             "memory": {"peak_bytes": peak * MIB if peak else None, "tracked": peak is not None},
             "metrics": {"step_time_s": step, "throughput": batch / step,
                         "throughput_unit": "samples/s", "eval_accuracy": 0.5, "timing": timing}}

@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from memexp import errors
 from memexp.atomic import atomic_file
 
 log = logging.getLogger("memexp")
@@ -33,7 +34,7 @@ RUN_LENGTH_KEYS = ("trainer.max_steps", "trainer.checkpoint_every", "trainer.kee
                    "trainer.resume", "trainer.log_every", "trainer.progress", "logger", "report")
 
 
-class ResumeRefused(ValueError):
+class ResumeRefused(errors.Refused, ValueError):
     """A rerun in a run folder whose checkpoint it must not continue from."""
 
 

@@ -23,6 +23,13 @@ FULL_ERROR = "HYDRA_FULL_ERROR"
 # What a run's own checks raise about its config: a value or a path (memexp's techniques and
 # data readers), or something Hydra or OmegaConf could not build or resolve.
 BAD_INPUT = (ValueError, FileNotFoundError, HydraException, OmegaConfBaseException)
+
+
+class Refused(Exception):
+    """A run refused before it began (its folder is in use, or its checkpoint is not its own):
+    nothing was recorded or summarized, so its message is the whole report."""
+
+
 # True while `main` has set HYDRA_FULL_ERROR itself (the user did not).
 _borrowed = False
 
@@ -83,11 +90,14 @@ def main(hydra_main: Callable[[], None]) -> None:
 @contextmanager
 def summarized_bad_input() -> Iterator[None]:
     """Around a single run whose failures its summary has told already: one that stopped on
-    bad input exits 1 with nothing more. Any other error keeps its traceback."""
+    bad input exits 1 with nothing more; one refused before it began exits 1 with its message.
+    Any other error keeps its traceback."""
     if full_error_wanted():
         yield
         return
     try:
         yield
+    except Refused as error:
+        raise SystemExit(f"memexp: {error}") from None
     except BAD_INPUT:
         raise SystemExit(1) from None

@@ -22,13 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
 
-from memexp import checkpoint
+from memexp import checkpoint, errors
 from memexp.result import BadRecord, load_record
 
 LOCK = ".memexp.lock"
 
 
-class FolderInUse(RuntimeError):
+class FolderInUse(errors.Refused, RuntimeError):
     """Another live process holds this run or sweep folder."""
 
 
