@@ -180,7 +180,8 @@ def test_a_second_process_is_refused_a_run_folder_in_use(tmp_path):
         wait_for_steps(tmp_path / "run", first)
         second = run_train_py(tmp_path, *ENDLESS)
         assert second.returncode == 1 and "Traceback" not in second.stderr
-        assert f"memexp: {tmp_path / 'run'} is in use by another run (pid {first.pid}" in second.stderr
+        assert (f"memexp: {tmp_path / 'run'} is in use by another run (pid {first.pid}"
+                in second.stderr)
         result = json.loads((tmp_path / "run" / "result.json").read_text())
         assert result["status"] == "running"  # the first run's record, untouched
         with open(tmp_path / "run" / "metrics.csv") as f:
