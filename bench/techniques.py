@@ -13,8 +13,9 @@ For each row:
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
 The HF models get the rows that concern them (checkpointing none/full/selective/offload beside
-the library's own, bf16, accumulation), with the saved activations and the per-step losses
-against the baseline's over 3 steps in place of the gradient and optimizer columns.
+the library's own, bf16, accumulation). Their tables show the saved activations, what the peak
+holds beyond parameters and gradients, and the first 3 per-step losses against the reference
+row's, in place of the gradient-peak and optimizer columns.
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|all] [--rounds 5]
 """
@@ -66,7 +67,7 @@ NO_DROPOUT = {
     "hf-bert": ("+model.config.hidden_dropout_prob=0",
                 "+model.config.attention_probs_dropout_prob=0"),
 }
-LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the baseline's
+LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
 
 BASELINE = "baseline: fp32, none, sgd"
@@ -303,6 +304,7 @@ def main() -> None:
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
+        # The HF models (those with dropout to switch off) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
     if args.model in ("resnet", "all"):
         print()
