@@ -13,10 +13,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 
 from memexp import checkpoint
 from memexp.app import run_config
+from memexp.config import config_dir
 from memexp.loggers import NoLogger
 from memexp.result import record_killed
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
@@ -197,6 +199,23 @@ def signal_while_starting(pid: int) -> None:
         os.kill(pid, signal.SIGCONT)
 
 
+@contextlib.contextmanager
+def chaos_sweep(tmp_path: Path, sweep_dir: Path, overrides: list[str]):
+    """`train.py -m` on submitit_local with chaos importable, its output in tmp_path/sweep.log;
+    whatever of it still runs at the end (a failed test) is killed."""
+    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
+    env["PYTHONPATH"] = str(Path(__file__).parent)
+    with open(tmp_path / "sweep.log", "w") as log, subprocess.Popen(
+            [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+             *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path) as sweep:
+        try:
+            yield sweep
+        finally:
+            for pid in [sweep.pid, *processes_of(sweep_dir)] if sweep.poll() is None else []:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
     """The Hydra path on submitit_local, for real. The job gets submitit's time-out signal twice,
@@ -208,24 +227,15 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
     overrides = [*CHAOS, "+model.mode=hold", f"+model.hold_dir={holds}", "trainer.max_steps=6",
                  "trainer.checkpoint_every=3", "trainer.progress=false", "logger=wandb",
                  "hydra.launcher.timeout_min=30"]  # no time-out but the two signals sent here
-    env = {k: v for k, v in os.environ.items() if k != "WANDB_MODE"}
-    env["PYTHONPATH"] = str(Path(__file__).parent)
-    with open(tmp_path / "sweep.log", "w") as log, subprocess.Popen(
-            [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
-             *overrides], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=tmp_path) as sweep:
-        try:
-            job = "hydra_plugins.memexp_launcher.job"
-            starting = wait_for("a job holding back its time-out signal", lambda: next(
-                (p for p in processes_of(sweep_dir, running=job) if holds_back_usr2(p)), None),
-                sweep)
-            signal_while_starting(starting)
-            held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
-            os.kill(held[0]["pid"], signal.SIGUSR2)
-            sweep.wait(timeout=400)
-        finally:  # a failed test leaves nothing running
-            for pid in [sweep.pid, *processes_of(sweep_dir)] if sweep.poll() is None else []:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
+    with chaos_sweep(tmp_path, sweep_dir, overrides) as sweep:
+        job = "hydra_plugins.memexp_launcher.job"
+        starting = wait_for("a job holding back its time-out signal", lambda: next(
+            (p for p in processes_of(sweep_dir, running=job) if holds_back_usr2(p)), None),
+            sweep)
+        signal_while_starting(starting)
+        held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
+        os.kill(held[0]["pid"], signal.SIGUSR2)
+        sweep.wait(timeout=400)
     output = (tmp_path / "sweep.log").read_text()
     assert sweep.returncode == 0, output[-3000:]
     # The early signal requeued the job too, instead of killing it.
@@ -238,6 +248,35 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
     attempts = list((sweep_dir / "0" / "wandb").glob(f"offline-run-*-{run_id}"))
     assert len(attempts) == 2  # one wandb run, continued after the requeue
 
+
+
+@pytest.mark.slow
+def test_a_time_out_with_no_requeue_left_ends_as_timeout_not_a_traceback(tmp_path):
+    """Issue 12, #14, on submitit_local (tests/test_slurm.py checks it where a SLURM cluster
+    runs): the job gets its time-out signal while it waits at step 4, with no requeue left. Its
+    record says `timeout` and what to change, not a traceback from inside the forward pass."""
+    sweep_dir, holds = tmp_path / "sweep", tmp_path / "holds"
+    # Under 10 minutes of timeout_min, submitit counts any signal as a time-out (not preemption).
+    overrides = [*CHAOS, "+model.mode=hold", f"+model.hold_dir={holds}", "trainer.max_steps=6",
+                 "trainer.checkpoint_every=3", "trainer.progress=false",
+                 "hydra.launcher.timeout_min=5", "hydra.launcher.max_num_timeout=0"]
+    with chaos_sweep(tmp_path, sweep_dir, overrides) as sweep:
+        held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
+        os.kill(held[0]["pid"], signal.SIGUSR2)
+        sweep.wait(timeout=400)
+    assert sweep.returncode == 1, (tmp_path / "sweep.log").read_text()[-3000:]
+    assert not submitit_log_lines(sweep_dir, "Requeued job")
+    result = json.loads((sweep_dir / "0" / "result.json").read_text())
+    assert result["status"] == "timeout", result["error"]
+    assert "with no requeue left (hydra.launcher.max_num_timeout=0)" in result["error"]
+    assert "Traceback" not in result["error"]
+
+
+def test_the_slurm_launcher_requeues_time_outs_by_default():
+    """submitit_slurm's own default, max_num_timeout=0, would never requeue (issue 12, #14)."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        config = compose("train", overrides=["hydra/launcher=slurm"], return_hydra_config=True)
+    assert config.hydra.launcher.max_num_timeout == 3
 
 # -- bad input -----------------------------------------------------------------------------------
 BAD_INPUT = [
