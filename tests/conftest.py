@@ -30,6 +30,18 @@ HF_BERT = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
            "+model.config.vocab_size=64", "+model.config.max_position_embeddings=64", *HF_DATA)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def one_thread() -> Iterator[None]:
+    """The tests' models are small: a second intra-op thread only adds synchronisation, and
+    while other processes keep both cores busy its spin-waits made steps several times slower
+    (tests/test_any_model.py: 0.28x the wall time with one thread, at load 12). Runs in
+    subprocesses (train.py, ranks) keep torch's own choice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def compose_train(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose("train", overrides=[*CPU_SMALL, *overrides])

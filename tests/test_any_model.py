@@ -29,16 +29,6 @@ MODELS = {"gpt2": GPT2, "bert": BERT, "user": USER}
 STEPS = 2
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These models' ops are tiny: a second thread only adds synchronisation, and while other
-    processes keep both cores busy its spin-waits made the steps about 9x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @functools.cache
 def baseline_losses(model: str) -> tuple[float, ...]:
     return tuple(train(*MODELS[model], steps=STEPS)[1].losses)
