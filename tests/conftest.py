@@ -17,6 +17,8 @@ from omegaconf import DictConfig
 from memexp.config import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
+# The same for the runs tests start (train.py, sweeps, SLURM jobs inherit it), unless set.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Small, quiet runs: tests check behaviour, not speed.
 CPU_SMALL = ["trainer.device=cpu", "trainer.progress=false", "trainer.warmup_steps=1"]
 # Hugging Face models from small configs (random weights, nothing downloaded), on small data.
