@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -60,7 +61,15 @@ def start_train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """run_train_py, started and left running; its output goes to tmp_path/train_py.log."""
     with open(tmp_path / "train_py.log", "ab") as log:
         return subprocess.Popen(train_py(tmp_path, overrides), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV)
+                                stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV,
+                                preexec_fn=default_sigint)
+
+
+def default_sigint() -> None:
+    """SIGINT as a terminal gives it. A shell script's background job (`make test &`) starts
+    with SIGINT ignored, which its children inherit: Python then installs no KeyboardInterrupt
+    handler, and a test's SIGINT would be ignored, as that shell asked."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 TRAIN_PY_ENV = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}
