@@ -86,7 +86,7 @@ def report_ratios(model: str, steps: int, folder: Path) -> tuple[dict, float | N
             [sys.executable, str(REPO / "train.py"), *COMMON, *MODELS[model],
              f"trainer.max_steps={steps}", *extra, f"hydra.run.dir={folder / str(number)}"],
             check=True, capture_output=True, cwd=folder)
-    rows = load_rows(folder)
+    rows, _ = load_rows(folder)
     return dict(zip(TECHNIQUES, rows[1:], strict=True)), load.others_share(load.own_cpu())
 
 
