@@ -3,13 +3,15 @@
 Same model class and arguments, batch, seed and data order, on CPU, fp32 SGD.
 
 - Speed: CPU wall time here drifts by 15% between identical runs even on a quiet machine (and by
-  more than 4x on a busy one), so four loops run side by side in one process, each with its own
+  more than 4x on a busy one), so five loops run side by side in one process, each with its own
   model, optimizer and data stream, and their steps are interleaved one by one, the order
   rotating each round:
     plain            the loop anyone would write;
     plain+tracker    the same, under a LiveStorageTracker;
     memexp           Trainer.train_step (the step fit() runs) with memory.track=false;
-    memexp+tracker   the same step with the meter's tracker on (a measured step).
+    memexp+tracker   the same step with the meter's tracker on (a measured step);
+    memexp+dispatch  memexp under a dispatch mode that only counts ops: what any Python
+                     dispatch mode costs, the tracker's floor.
   Each ratio is taken round by round (two steps run next to each other) and given as the median
   and interquartile range over the rounds. The tracker's cost per op is the difference of the
   median step times over the ops a step dispatches.
@@ -114,9 +116,16 @@ class PlainLoop:
 
 
 class OpCounter(TorchDispatchMode):
+    """Counts the ops and does nothing else: what any Python dispatch mode costs, the tracker's
+    floor (skipping dynamo's guard, as the tracker does)."""
+
     def __init__(self):
         super().__init__()
         self.ops = 0
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.ops += 1
@@ -131,7 +140,7 @@ def memexp_fit(cfg) -> tuple[Trainer, float]:
 
 
 def interleaved_steps(untracked, tracked, data: TensorData, rounds: int):
-    """Step times of the four sides, one step each per round (two warm-up rounds), the order
+    """Step times of the five sides, one step each per round (two warm-up rounds), the order
     rotating; and the ops one memexp step dispatches."""
     ours, measured = Trainer(untracked), Trainer(tracked)
     plain, plain_measured = PlainLoop(untracked, data), PlainLoop(untracked, data)
@@ -141,9 +150,10 @@ def interleaved_steps(untracked, tracked, data: TensorData, rounds: int):
     for trainer in (ours, measured):
         trainer.model.train()
 
-    def memexp_step(trainer):
+    def memexp_step(trainer, mode=None):
         batches = streams[trainer]
-        with trainer.meter:  # the tracker on for `measured`, nothing for `ours`
+        # the tracker on for `measured`, nothing for `ours`
+        with trainer.meter, mode or nullcontext():
             started = time.perf_counter()
             trainer.train_step(batches)
             return time.perf_counter() - started
@@ -159,6 +169,7 @@ def interleaved_steps(untracked, tracked, data: TensorData, rounds: int):
         "plain+tracker": lambda: plain_step(plain_measured, tracker),
         "memexp": lambda: memexp_step(ours),
         "memexp+tracker": lambda: memexp_step(measured),
+        "memexp+dispatch": lambda: memexp_step(ours, OpCounter()),
     }
     names = list(sides)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -166,7 +177,7 @@ def interleaved_steps(untracked, tracked, data: TensorData, rounds: int):
     for i in range(rounds + 2):
         if i == 2:
             load.start()
-        for name in names[i % 4:] + names[:i % 4]:
+        for name in names[i % len(names):] + names[:i % len(names)]:
             seconds = sides[name]()
             if i >= 2:
                 times[name].append(seconds)
@@ -208,7 +219,7 @@ def main() -> None:
     ours = trainer.model.state_dict()
     bitwise = all(torch.equal(ours[k], v) for k, v in plain.model.state_dict().items())
 
-    # 2. Steps of the four sides, interleaved one by one.
+    # 2. Steps of the five sides, interleaved one by one.
     times, ops, others = interleaved_steps(untracked, tracked, data, args.rounds)
     median = {name: statistics.median(values) for name, values in times.items()}
     cost = paired(times, "memexp+tracker", "memexp")
@@ -246,6 +257,8 @@ def main() -> None:
         print(f"| {name} | {median[name] * 1e3:.2f} ms | {spread(paired(times, name, 'memexp'))} |")
     rows = [
         ("tracker cost while tracking: memexp+tracker / memexp", spread(cost)),
+        ("a do-nothing dispatch mode (the floor): memexp+dispatch / memexp",
+         spread(paired(times, "memexp+dispatch", "memexp"))),
         ("tracker cost on the plain loop: plain+tracker / plain",
          spread(paired(times, "plain+tracker", "plain"))),
         ("framework, tracker off: memexp / plain", spread(overhead)),

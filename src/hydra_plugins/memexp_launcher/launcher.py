@@ -140,8 +140,9 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
 
 
-def wait(job, state_every_s: float = 30) -> None:
-    """Until the job ends. A job that ends with a result is seen within a second; one that ends
+def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
+    """Until the job ends. A job that ends with a result is seen within `poll_s` (a local
+    job's process is polled, a SLURM job's result file looked for: both cheap); one that ends
     without (cancelled, killed) only when its state is asked for, and submitit asks SLURM
     (sacct) less and less often, every 10 minutes in the end. Here at least every
     `state_every_s`: one sacct call for every job of the sweep."""
@@ -150,7 +151,7 @@ def wait(job, state_every_s: float = 30) -> None:
         if time.monotonic() - asked > state_every_s:
             job.done(force_check=True)
             asked = time.monotonic()
-        time.sleep(1)
+        time.sleep(poll_s)
 
 
 class LocalLauncher(_SurvivingLauncher):
