@@ -21,8 +21,11 @@ Same model class and arguments, batch, seed and data order, on CPU, fp32 SGD.
 - Load: the share of the machine's CPU time other processes took while the steps ran
   (/proc/stat), and the CPU model.
 
-    python bench/overhead.py [--model resnet|transformer|mlp] [--steps 40] [--runs 4]
-                             [overrides ...]
+    python bench/overhead.py [--model resnet|transformer|mlp] [--steps 40] [--rounds N]
+                             [--runs 4] [overrides ...]
+
+On a busy machine, `--rounds 30 --steps 10 --runs 0` keeps the interleaved steps (the tracker's
+cost) and drops the whole runs.
 
 Targets: the tracker costs <= 1.10x a step while tracking (resnet, transformer); memexp's
 steps/s >= 0.98x the plain loop's with tracking off; peak memory no higher than the plain
@@ -183,18 +186,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=MODELS, default="resnet")
-    parser.add_argument("--steps", type=int, default=40, help="interleaved rounds, and steps "
-                        "of each whole run")
-    parser.add_argument("--runs", type=int, default=4, help="whole-run pairs")
+    parser.add_argument("--steps", type=int, default=40, help="steps of each whole run")
+    parser.add_argument("--rounds", type=int, help="interleaved rounds (default: --steps)")
+    parser.add_argument("--runs", type=int, default=4, help="whole-run pairs (0: none)")
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
+    args.rounds = args.rounds or args.steps
     base = [*MODELS[args.model], f"trainer.max_steps={args.steps}", "optim=sgd", *args.overrides]
     untracked = compose_cfg([*base, "memory.track=false"])
     tracked = compose_cfg([*base, "memory.track=true"])
     data: TensorData = instantiate(untracked.data)
     print(describe_machine())
     print(f"model={args.model} ({untracked.model._target_}) batch={data.batch_size} "
-          f"rounds={args.steps} runs={args.runs} threads={torch.get_num_threads()} "
+          f"rounds={args.rounds} runs={args.runs} threads={torch.get_num_threads()} "
           f"torch={torch.__version__} overrides={' '.join(args.overrides) or '-'}")
 
     # 1. The math: final weights after N fp32 steps.
@@ -205,7 +209,7 @@ def main() -> None:
     bitwise = all(torch.equal(ours[k], v) for k, v in plain.model.state_dict().items())
 
     # 2. Steps of the four sides, interleaved one by one.
-    times, ops, others = interleaved_steps(untracked, tracked, data, args.steps)
+    times, ops, others = interleaved_steps(untracked, tracked, data, args.rounds)
     median = {name: statistics.median(values) for name, values in times.items()}
     cost = paired(times, "memexp+tracker", "memexp")
     overhead = paired(times, "memexp", "plain")
@@ -220,7 +224,7 @@ def main() -> None:
             wall[side].append(memexp_fit(tracked if side == "default" else untracked)[1])
     run_others = load.others_share(load.own_cpu())
     wall_ratio = quartiles([a / b for a, b in zip(wall["default"], wall["untracked"],
-                                                   strict=True)])
+                                                   strict=True)]) if args.runs else None
 
     # 4. Peak tracked tensor memory, both under the same live-storage tracker.
     trainer, _ = memexp_fit(tracked)
@@ -230,10 +234,13 @@ def main() -> None:
     peak_plain = max(p.peak_bytes for p in tracker.peaks.values())
 
     def spread(q):
-        return f"{q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})"
+        return f"{q[1]:.3f} (IQR {q[0]:.3f}-{q[2]:.3f})" if q else "not run (--runs 0)"
+
+    def share(value):
+        return "unknown" if value is None else f"{value:.0%}"
 
     print(f"\nops per memexp step: {ops}; other processes' share of the machine: "
-          f"{others:.0%} during the steps, {run_others:.0%} during the whole runs")
+          f"{share(others)} during the steps, {share(run_others)} during the whole runs")
     print("\n| side | median step time | x memexp (tracker off) |\n|---|---|---|")
     for name in times:
         print(f"| {name} | {median[name] * 1e3:.2f} ms | {spread(paired(times, name, 'memexp'))} |")

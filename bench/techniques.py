@@ -12,6 +12,11 @@ For each row:
   against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
+The HF models get the rows that concern them (checkpointing none/full/selective/offload beside
+the library's own, bf16, accumulation). Their tables show the saved activations, what the peak
+holds beyond parameters and gradients, and the first 3 per-step losses against the reference
+row's, in place of the gradient-peak and optimizer columns.
+
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|all] [--rounds 5]
 """
 
@@ -39,17 +44,30 @@ MODELS = {
     # brings optim=adamw; plain SGD keeps every row one change away from the baseline.)
     "transformer": ("model=transformer", "model.n_layers=8", "data.batch_size=16", "optim=sgd"),
     # transformers' own GPT-2 and BERT, through the generic path (no adapter): 4 layers at width
-    # 128, a 4k vocabulary, 128 tokens. loss=model is their own loss.
+    # 128, a 2k vocabulary, 64 tokens, small enough for a few minutes on 2 busy cores.
+    # loss=model is their own loss.
     "hf-gpt2": ("model=hf", "model.arch=gpt2", "model.task=causal_lm", "+model.config.n_layer=4",
                 "+model.config.n_embd=128", "+model.config.n_head=4",
-                "+model.config.vocab_size=4096", "data.seq_len=128", "data.batch_size=8",
+                "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
                 "optim=sgd"),
     "hf-bert": ("model=hf", "model.arch=bert", "model.task=sequence_classification",
                 "+model.config.num_hidden_layers=4", "+model.config.hidden_size=128",
                 "+model.config.num_attention_heads=4", "+model.config.intermediate_size=512",
-                "+model.config.vocab_size=4096", "data.seq_len=128", "data.batch_size=8",
+                "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
                 "optim=sgd"),
 }
+
+# The HF correctness runs switch dropout off: a micro-batch of 2 draws other masks than a batch
+# of 8, so accumulation could not match the baseline with it. (Checkpointing replays the same
+# masks: tests/test_any_model.py checks its losses with dropout on.) Memory keeps dropout, as
+# the models train.
+NO_DROPOUT = {
+    "hf-gpt2": ("+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
+                "+model.config.attn_pdrop=0"),
+    "hf-bert": ("+model.config.hidden_dropout_prob=0",
+                "+model.config.attention_probs_dropout_prob=0"),
+}
+LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
 
 BASELINE = "baseline: fp32, none, sgd"
@@ -60,6 +78,38 @@ class Row:
     name: str
     overrides: tuple[str, ...]
     ref: str | None = BASELINE  # the row whose gradients this one should match
+
+
+def batch_of(model: str) -> int:
+    return int(next(o for o in MODELS[model] if o.startswith("data.batch_size")).split("=")[1])
+
+
+def accumulation_row(model: str) -> Row:
+    """optim.accumulate=4 at a quarter of the batch: the same samples per optimizer step."""
+    return Row("optim.accumulate=4 (batch/4)",
+               ("optim.accumulate=4", f"data.batch_size={batch_of(model) // 4}"))
+
+
+def hf_rows(model: str) -> list[Row]:
+    """The HF models' rows: every checkpointing option that applies to them beside the library's
+    own, bf16 and accumulation (sequential is refused on their nn.ModuleList). A causal LM's
+    loss is a mean over each micro-batch's labelled tokens, whose number padding varies:
+    accumulation is also compared on data without padding."""
+    rows = [
+        Row(BASELINE, ()),
+        Row("checkpointing=full", ("checkpointing=full",)),
+        Row("checkpointing=selective every=2", ("checkpointing=selective",)),
+        Row("checkpointing=offload", ("checkpointing=offload",)),
+        Row("the library's own gradient checkpointing", ("model.gradient_checkpointing=true",)),
+        Row("precision=bf16", ("precision=bf16",)),
+        accumulation_row(model),
+    ]
+    if "model.task=causal_lm" in MODELS[model]:
+        unpadded = Row("baseline, data.padding=0", ("data.padding=0",), ref=None)
+        accumulated = accumulation_row(model)
+        rows += [unpadded, Row(f"{accumulated.name}, data.padding=0",
+                               (*accumulated.overrides, "data.padding=0"), ref=unpadded.name)]
+    return rows
 
 
 def rows_for(model: str) -> list[Row]:
@@ -80,14 +130,8 @@ def rows_for(model: str) -> list[Row]:
         Row("optim=adamw in_backward", ("optim=adamw", "optim.in_backward=true"),
             ref="optim=adamw"),
     ]
-    batch = int(next(o for o in MODELS[model] if o.startswith("data.batch_size")).split("=")[1])
-    rows.append(Row("optim.accumulate=4 (batch/4)",
-                    ("optim.accumulate=4", f"data.batch_size={batch // 4}")))
-    if not model.startswith("hf-"):  # HF models loop over an nn.ModuleList: refused
-        rows.insert(7, Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)))
-    else:
-        rows.insert(7, Row("the library's own gradient checkpointing",
-                           ("model.gradient_checkpointing=true",)))
+    rows.append(accumulation_row(model))
+    rows.insert(7, Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)))
     if model == "resnet":
         rows += [
             Row("bn_mode=eval", ("bn_mode=eval",), ref=None),
@@ -114,18 +158,26 @@ def memory_of(model: str, row: Row) -> dict:
     return trainer.meter.report()
 
 
-def first_gradients(model: str, row: Row) -> torch.Tensor:
+def correctness_run(model: str, row: Row, *extra: str,
+                    steps: int = 1) -> tuple[torch.Tensor, list[float]]:
+    """The first step's gradients (all of them, flat, unscaled) and the loss of each of `steps`
+    steps, with plain SGD."""
     trainer = Trainer(compose_row(model, row, "memory.track=false", "optim=sgd",
-                                  "optim.in_backward=false"))
+                                  "optim.in_backward=false", *extra))
     trainer.model.train()
     params = list(trainer.model.parameters())
     captured: dict[int, torch.Tensor] = {}
-    for index, param in enumerate(params):
-        param.register_post_accumulate_grad_hook(
-            lambda p, index=index: captured.__setitem__(index, p.grad.detach().float().clone()))
+    # After the last micro-batch's backward, the hook holds the step's whole gradient.
+    hooks = [param.register_post_accumulate_grad_hook(
+        lambda p, index=index: captured.__setitem__(index, p.grad.detach().float().clone()))
+        for index, param in enumerate(params)]
     scale = trainer.precision.loss_scale()  # the step may change it; read it before
-    trainer.train_step(trainer.data.train_batches())
-    return torch.cat([captured[i].flatten() for i in range(len(params))]) / scale
+    batches = trainer.data.train_batches()
+    losses = [trainer.train_step(batches)]
+    for hook in hooks:
+        hook.remove()
+    losses += [trainer.train_step(batches) for _ in range(steps - 1)]
+    return torch.cat([captured[i].flatten() for i in range(len(params))]) / scale, losses
 
 
 def gradient_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -154,7 +206,7 @@ def table(model: str, rounds: int) -> str:
     memory = {row.name: memory_of(model, row) for row in rows}
     # Optimizer-in-backward's step equals the regular one (tested); its gradients are those of
     # adamw's and are taken with a regular step here.
-    gradients = {row.name: first_gradients(model, row) for row in rows
+    gradients = {row.name: correctness_run(model, row)[0] for row in rows
                  if row.ref is not None or any(r.ref == row.name for r in rows)}
     times = step_times(model, rows, rounds)
     base = memory[rows[0].name]
@@ -181,6 +233,47 @@ def table(model: str, rounds: int) -> str:
     lines.append(f"\nbaseline step time {times[rows[0].name] * 1e3:.0f} ms (median of {rounds}); "
                  f"overrides: {' '.join(MODELS[model])}")
     return "\n".join(lines)
+
+
+def hf_table(model: str, rounds: int) -> str:
+    """The HF model's rows: memory with dropout on, as it trains; per-step losses and the first
+    step's gradients with dropout off, against the row they should equal."""
+    rows = hf_rows(model)
+    memory = {row.name: memory_of(model, row) for row in rows}
+    correct = {row.name: correctness_run(model, row, *NO_DROPOUT[model], steps=LOSS_STEPS)
+               for row in rows}
+    times = step_times(model, rows, rounds)
+    base = memory[BASELINE]
+    lines = [
+        f"| {model}: technique | peak MiB | x base | activations MiB | x base | saved MiB"
+        " | x base | at the peak: activations + other MiB | step time x base"
+        f" | loss vs ref, {LOSS_STEPS} steps | gradient error vs ref |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        m = memory[row.name]
+        figures = " | ".join(f"{m[key] / MIB:.1f} | {m[key] / base[key]:.2f}" for key in
+                             ("peak_bytes", "activations_peak_bytes", "saved_activations_bytes"))
+        at_peak = m["phases"][m["peak_phase"]]["breakdown"]
+        lines.append(f"| {row.name} | {figures}"
+                     f" | {at_peak['activations'] / MIB:.1f} + {at_peak['other'] / MIB:.1f}"
+                     f" | {times[row.name] / times[BASELINE]:.2f} | {errors(row, correct)} |")
+    losses = correct[BASELINE][1]
+    lines.append(f"\nbaseline step time {times[BASELINE] * 1e3:.0f} ms (median of {rounds}); "
+                 f"baseline losses {', '.join(f'{x:.4f}' for x in losses)}; "
+                 f"overrides: {' '.join(MODELS[model])}")
+    return "\n".join(lines)
+
+
+def errors(row: Row, correct: dict[str, tuple[torch.Tensor, list[float]]]) -> str:
+    """The row's largest relative per-step loss difference and its gradient error, against its
+    ref row's."""
+    if row.ref is None:
+        return "- | -"
+    (grads, losses), (ref_grads, ref_losses) = correct[row.name], correct[row.ref]
+    loss = max(abs(a - b) / abs(b) for a, b in zip(losses, ref_losses, strict=True))
+    vs = "" if row.ref == BASELINE else f" (vs {row.ref})"
+    return f"{loss:.1e}{vs} | {gradient_error(grads, ref_grads):.1e}{vs}"
 
 
 def fold_table() -> str:
@@ -211,7 +304,8 @@ def main() -> None:
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
-        print(table(model, args.rounds))
+        # The HF models (those with dropout to switch off) have tables of their own.
+        print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
     if args.model in ("resnet", "all"):
         print()
         print(fold_table())

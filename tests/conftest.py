@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,8 @@ from omegaconf import DictConfig
 from memexp.config import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
+# The same for the runs tests start (train.py, sweeps, SLURM jobs inherit it), unless set.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Small, quiet runs: tests check behaviour, not speed.
 CPU_SMALL = ["trainer.device=cpu", "trainer.progress=false", "trainer.warmup_steps=1"]
 # Hugging Face models from small configs (random weights, nothing downloaded), on small data.
@@ -28,6 +31,18 @@ HF_BERT = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
            "+model.config.num_hidden_layers=2", "+model.config.hidden_size=32",
            "+model.config.num_attention_heads=2", "+model.config.intermediate_size=64",
            "+model.config.vocab_size=64", "+model.config.max_position_embeddings=64", *HF_DATA)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def one_thread() -> Iterator[None]:
+    """The tests' models are small: a second intra-op thread only adds synchronisation, and
+    while other processes keep both cores busy its spin-waits made steps several times slower
+    (tests/test_any_model.py: 0.28x the wall time with one thread, at load 12). Runs in
+    subprocesses (train.py, ranks) keep torch's own choice."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 def compose_train(*overrides: str) -> DictConfig:
@@ -46,7 +61,15 @@ def start_train_py(tmp_path: Path, *overrides: str) -> subprocess.Popen:
     """run_train_py, started and left running; its output goes to tmp_path/train_py.log."""
     with open(tmp_path / "train_py.log", "ab") as log:
         return subprocess.Popen(train_py(tmp_path, overrides), stdout=log,
-                                stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV)
+                                stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV,
+                                preexec_fn=default_sigint)
+
+
+def default_sigint() -> None:
+    """SIGINT as a terminal gives it. A shell script's background job (`make test &`) starts
+    with SIGINT ignored, which its children inherit: Python then installs no KeyboardInterrupt
+    handler, and a test's SIGINT would be ignored, as that shell asked."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 TRAIN_PY_ENV = {**os.environ, "HYDRA_FULL_ERROR": "0", "WANDB_MODE": "offline"}

@@ -5,6 +5,7 @@ the checks that refuse what cannot run."""
 from __future__ import annotations
 
 import functools
+import shlex
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from memexp.trainer import Trainer, build, build_model
 
 from conftest import HF_BERT as BERT
 from conftest import HF_GPT2 as GPT2
-from conftest import compose_train, step_memory, train
+from conftest import REPO, compose_train, step_memory, train
 
 # A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
 USER = ("model=custom", "model._target_=user_models.LayerStack", "data=tokens",
@@ -206,14 +207,42 @@ def test_pretrained_loads_a_local_folder_and_says_what_is_missing(tmp_path):
         build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'none'}").model)
 
 
-def test_timm_models_run_where_timm_imports():
+def readme_commands(model: str) -> list[list[str]]:
+    """The overrides of each `python train.py model=<model> ...` line in the README's "Your own
+    model" section, as a shell would split them."""
+    section = (REPO / "README.md").read_text().split("### Your own model")[1].split("\n## ")[0]
+    return [shlex.split(line, comments=True)[2:] for line in section.splitlines()
+            if line.startswith(f"python train.py model={model} ")]
+
+
+@pytest.mark.parametrize("model", ["hf", "timm"])
+def test_the_readmes_model_commands_compose_as_written(model):
+    commands = readme_commands(model)
+    assert len(commands) == 3
+    for overrides in commands:
+        compose_train(*overrides)
+
+
+def test_the_readmes_timm_commands_run_where_timm_imports(tmp_path, monkeypatch):
     try:
-        import timm  # noqa: F401
+        import timm
     except Exception as error:  # torchvision beside a CPU torch it was not built for
         pytest.skip(f"timm does not import here: {type(error).__name__}: {error}")
-    metrics = train("model=timm", "model.name=resnet18", "checkpointing=full",
-                    "data.batch_size=4", "data.image_size=32", steps=1)[1]
-    assert len(metrics.losses) == 1
+    from safetensors.torch import save_file
+
+    # The README's weights file, under a home of the test's own.
+    monkeypatch.setenv("HOME", str(tmp_path))
+    (tmp_path / "weights").mkdir()
+    weights = timm.create_model("resnet50", num_classes=10).state_dict()
+    save_file(weights, str(tmp_path / "weights" / "resnet50.safetensors"))
+    for overrides in readme_commands("timm"):
+        built = Trainer(compose_train(*overrides, "trainer.max_steps=1", "data.batch_size=2",
+                                      "data.image_size=32"))
+        if "checkpointing=full" in overrides:
+            assert built.checkpointing.found.summary()["count"] > 1
+        if any(o.startswith("model.pretrained=") for o in overrides):
+            assert torch.equal(built.model.state_dict()["conv1.weight"], weights["conv1.weight"])
+        assert len(built.fit(NoLogger()).losses) == 1
 
 
 def test_hf_config_keys_stay_as_documented():

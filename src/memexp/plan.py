@@ -124,14 +124,14 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
     space = search_space(base, group_choice(fixed, "optim"), searched)
     computed_options = list(itertools.product(space["precision"], space["optim"],
                                               space["bn_mode"]))
+    kept_classes = {option: get_class(compose_config([*fixed, f"checkpointing={option}"])
+                                      .checkpointing._target_)
+                    for option in space["checkpointing"]}
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say).
-    cost_ranks = {option: get_class(compose_config([*fixed, f"checkpointing={option}"])
-                                    .checkpointing._target_).cost_rank
-                  for option in space["checkpointing"]}
     kept_options = sorted(
         ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
          if batch % int(k) == 0),
-        key=lambda option: (cost_ranks[option[0]], option[1]))
+        key=lambda option: (kept_classes[option[0]].cost_rank, option[1]))
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
          f"candidates against {budget}, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
@@ -147,7 +147,7 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
             result = estimate(cfg, target, gpu)
             key = (precision, optim, bn_mode, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
-            if checkpointing == "none":
+            if kept_classes[checkpointing].baseline:  # what the others' recomputation adds to
                 baseline_flops[key] = train_flops
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
             last = Plan(overrides, precision, accumulate, result, recompute,

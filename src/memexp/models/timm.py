@@ -24,16 +24,19 @@ def timm_model(name: str, num_classes: int, in_channels: int = 3, pretrained: st
     try:
         import timm
     except Exception as error:  # ImportError, or torchvision failing beside this torch
+        # from None: the model builder reports the innermost cause, which would be timm's
+        # import error alone, as if memexp.models.timm could not be imported.
         raise RuntimeError(
             f"model=timm needs timm, which does not import here ({type(error).__name__}: "
             f"{error}). Install timm with a torchvision built for this torch, or give the "
-            "network as model=custom model._target_=pkg.Class") from error
+            "network as model=custom model._target_=pkg.Class") from None
     extra = plain(kwargs)
     if pretrained is not None:
-        if not Path(pretrained).expanduser().is_file():
+        weights = Path(pretrained).expanduser()  # timm opens the path as given: no ~
+        if not weights.is_file():
             raise FileNotFoundError(f"model.pretrained={pretrained}: no weights file there "
                                     "(a .safetensors or .pth state dict); nothing is downloaded")
-        extra.update(pretrained=True, pretrained_cfg_overlay={"file": str(pretrained)})
+        extra.update(pretrained=True, pretrained_cfg_overlay={"file": str(weights)})
     if name not in timm.list_models():
         raise ValueError(f"model.name={name}: not a timm model; timm.list_models() has "
                          f"{', '.join(timm.list_models()[:50])}, ...")
