@@ -3,9 +3,12 @@
     python3 scripts/check_readme.py [--clone DIR] [--timeout S]     (make check-readme)
 
 Without --clone it clones this checkout's HEAD (`git clone <repo> <tmp>/fresh`), so what is
-checked is what is committed. The ```bash blocks are read in order and every command in them
-(a line, with its `\\` continuations; comments dropped) runs in the clone through
-`bash -c 'source .venv/bin/activate && <command>'`. The first block's `make run` makes .venv.
+checked is what is committed. The code blocks are read in order: every command of a ```bash
+block (a line, with its `\\` continuations; comments dropped), and every `$ ` line of the
+other blocks (the transcripts), runs in the clone through
+`bash -c 'source .venv/bin/activate; <command>'`. A transcript command whose quoted output
+starts with an error (`memexp: ...`) must fail, every other command must succeed. The first
+block's `make run` makes .venv.
 
 What is changed in a command, and nothing else:
 - `python train.py` and `memexp plan ... --verify` get short runs: `trainer.max_steps=N` set to
@@ -45,21 +48,30 @@ SKIPS = [
 ]
 
 
-def commands(readme: str) -> list[str]:
-    """The commands of the ```bash blocks, in order."""
+def commands(readme: str) -> list[tuple[str, bool]]:
+    """(command, whether it must fail) for every command of the README's code blocks, in order."""
     found = []
-    for block in re.findall(r"^ *```bash\n(.*?)^ *```", readme, re.S | re.M):
-        joined = re.sub(r"\\\n\s*", "", block)
-        for line in joined.splitlines():
-            command = line.split(" #")[0].strip() if not line.strip().startswith("#") else ""
+    for language, block in re.findall(r"^ *```(\w*)\n(.*?)^ *```", readme, re.S | re.M):
+        lines = re.sub(r"\\\n\s*", "", block).splitlines()
+        for i, line in enumerate(lines):
+            if language == "bash":
+                command = line.split(" #")[0].strip() if not line.strip().startswith("#") else ""
+                fails = False
+            elif line.strip().startswith("$ "):
+                command = line.strip()[2:].split(" #")[0].strip()
+                output = next((later.strip() for later in lines[i + 1:]
+                               if not later.strip().startswith("$ ")), "")
+                fails = output.startswith("memexp: ")
+            else:
+                continue
             if command:
-                found.append(command)
+                found.append((command, fails))
     return found
 
 
 def shortened(command: str) -> str:
     """`command` with short runs, where it trains."""
-    trains = command.startswith("python train.py") or "--verify" in command
+    trains = "train.py" in command or "--verify" in command
     if not trains:
         return command
     if "trainer.max_steps=" in command:
@@ -91,7 +103,7 @@ def main() -> int:
                                      text=True).strip()
     print(f"check_readme: README.md of {clone} (commit {commit})", flush=True)
     failed = 0
-    for command in commands((clone / "README.md").read_text()):
+    for command, must_fail in commands((clone / "README.md").read_text()):
         why = skip_reason(command)
         if why:
             print(f"skip     {command}\n         ({why})", flush=True)
@@ -106,13 +118,16 @@ def main() -> int:
         except subprocess.TimeoutExpired:
             done, status = None, "timeout"
         seconds = time.monotonic() - started
-        print(f"exit {status!s:<3} {ran}  ({seconds:.0f} s)", flush=True)
-        if status != 0:
+        wrong = status == 0 if must_fail else status != 0
+        expected = " (must fail)" if must_fail else ""
+        print(f"{'FAILED' if wrong else 'ok':<6} exit {status!s:<3} {ran}{expected}  "
+              f"({seconds:.0f} s)", flush=True)
+        if wrong:
             failed += 1
             if done is not None:
                 tail = (done.stdout + done.stderr).strip().splitlines()[-8:]
                 print("\n".join(f"         | {line}" for line in tail), flush=True)
-    print(f"check_readme: {failed} command(s) failed", flush=True)
+    print(f"check_readme: {failed} command(s) did not do what the README shows", flush=True)
     return 1 if failed else 0
 
 
