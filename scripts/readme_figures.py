@@ -10,8 +10,9 @@ Each generated part of the README sits between `<!-- figures:NAME -->` and
 - run, default-accuracy: `python train.py`, the summary it prints;
 - bad-input: the three config mistakes of "Bad input", and what each prints.
 
-Temporary folders in the output are written as the default ones (`outputs/...`), the only
-change made to what the commands print. tests/test_readme.py reruns one of the quoted jobs and
+The commands run in outputs/readme-figures/ (kept: its plots and reports can be read); their
+folders are written in the README as the default ones (`outputs/...`), the only change made to
+what the commands print. tests/test_readme.py reruns one of the quoted jobs and
 checks the README's memory figures exactly and its accuracy to 3 decimals.
 """
 
@@ -20,9 +21,9 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -116,12 +117,15 @@ def write(readme: str, figures: dict[str, str]) -> str:
 
 def main() -> None:
     figures: dict[str, str] = {}
-    with tempfile.TemporaryDirectory(prefix="readme-figures-") as work:
-        for part in (bad_input, single_run, quick):
-            print(f"readme_figures: {part.__name__} ...", flush=True)
-            figures.update(part(Path(work)))
+    # Kept after the script (outputs/ is git-ignored), so its plots and reports can be read.
+    work = REPO / "outputs" / "readme-figures"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    for part in (bad_input, single_run, quick):
+        print(f"readme_figures: {part.__name__} ...", flush=True)
+        figures.update(part(work))
     README.write_text(write(README.read_text(), figures))
-    print(f"readme_figures: wrote {', '.join(figures)} into {README}")
+    print(f"readme_figures: wrote {', '.join(figures)} into {README}; the runs are in {work}")
 
 
 if __name__ == "__main__":
