@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.memexp-installed
 
 .DEFAULT_GOAL := help
-.PHONY: help install run train test test-fast lint bench bench-techniques slurm-up slurm-down \
+.PHONY: help install run train test test-fast lint bench bench-techniques readme-figures check-readme slurm-up slurm-down \
 	cuda-estimator clean
 
 help: ## list the targets
@@ -22,6 +22,14 @@ install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into 
 
 run: install ## the main job: a quick comparison sweep on the embedded defaults (experiment=quick)
 	$(PY) train.py -m experiment=quick
+	@echo "Next, in this shell (python and memexp below need it): source $(VENV)/bin/activate"
+	@echo "then, for example: python train.py model=transformer   (the README's 'Running' has more)"
+
+readme-figures: install ## rerun what README.md quotes and write its figures between the markers
+	$(PY) scripts/readme_figures.py
+
+check-readme: ## run README.md's shell blocks from a fresh clone of this checkout (long)
+	$(PY) scripts/check_readme.py
 
 train: install ## a single run with your overrides, e.g. make train ARGS='precision=fp32'
 	$(PY) train.py $(ARGS)
@@ -36,7 +44,7 @@ test-fast: install ## the tests not marked slow
 	$(PY) -m pytest -m "not slow"
 
 lint: install ## ruff
-	$(VENV)/bin/ruff check src tests bench train.py
+	$(VENV)/bin/ruff check src tests bench scripts train.py
 
 bench: install ## the overhead benchmark against a hand-written loop (a few minutes)
 	$(PY) bench/overhead.py

@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from memexp.result import GROUPS
+from memexp.result import GROUPS, mib
 
 from conftest import REPO
 from wandb_records import summary as wandb_summary
@@ -156,6 +157,14 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
     for job in "05":  # no finished result is lost
         assert found[job]["metrics"]["eval_accuracy"] is not None
     assert_serial(list(found.values()))
+    # One line per job as it ended, in the sweep's own output, with the count done so far.
+    ended = [line for line in (done.stdout + done.stderr).splitlines()
+             if re.search(r"\[\d+/6\] job #", line)]
+    assert len(ended) == 6
+    for job, (line, status) in enumerate(zip(ended, statuses, strict=True)):
+        peak = found[str(job)]["memory"] and found[str(job)]["memory"]["peak_bytes"]
+        assert re.search(rf"\[{job + 1}/6\] job #{job} .*\+model\.mode=\w+: {status}, "
+                         rf"peak {mib(peak)}, (\d+ min )?\d+ s$", line), line
     report = (sweep_dir / "report.md").read_text()
     for job, status in enumerate(statuses):
         assert f"| {job} | +model.mode=" in report and f"| {status} |" in report

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
-from conftest import run_train_py
+from conftest import REPO, TRAIN_PY_ENV, run_train_py
 
 pytestmark = pytest.mark.slow
 
@@ -79,6 +83,19 @@ def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(tmp_pat
     assert "powered by Hydra" not in done.stdout and "schema/" not in done.stdout
     assert "\nprecision: amp, bf16, bf16_pure, fp16_pure, fp32, tf32\n" in done.stdout
     assert "  max_steps: 200" in done.stdout  # and the config, every key
+
+
+def test_help_into_a_pipe_whose_reader_left_stops_quietly():
+    """`python train.py --help | head`: the reader leaves early; no traceback, and the exit
+    status of a tool stopped by SIGPIPE. The pipe's read end is closed before the start, so
+    that every write fails."""
+    read, write = os.pipe()
+    os.close(read)
+    done = subprocess.run([sys.executable, "train.py", "--help"], stdout=write,
+                          stderr=subprocess.PIPE, text=True, timeout=180, cwd=REPO,
+                          env=TRAIN_PY_ENV)
+    os.close(write)
+    assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -237,6 +237,8 @@ def main() -> None:
     except Terminated:
         # Recorded as `terminated`, and summarized; exit as shells report SIGTERM (128 + 15).
         raise SystemExit(128 + signal.SIGTERM) from None
+    except BrokenPipeError:
+        errors.reader_left()
 
 
 def hydra_entry() -> None:

@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from memexp.errors import BAD_INPUT
+from memexp.errors import BAD_INPUT, reader_left
 from memexp.errors import describe as describe_error
 from memexp.gpus import GPUS, gpu
 from memexp.result import BadRecord, load_record, summary
@@ -153,12 +153,15 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--verify-steps", type=int, default=5,
                              help="steps of each verification run")
     plan_parser.set_defaults(handler=plan)
-    args = parser.parse_args(argv)
     try:
-        return args.handler(args)
-    except BAD_INPUT as error:  # named by the check that failed, with the valid choices
-        print(f"memexp {args.command}: {describe_error(error)}", file=sys.stderr)
-        return 2
+        args = parser.parse_args(argv)
+        try:
+            return args.handler(args)
+        except BAD_INPUT as error:  # named by the check that failed, with the valid choices
+            print(f"memexp {args.command}: {describe_error(error)}", file=sys.stderr)
+            return 2
+    except BrokenPipeError:
+        reader_left()
 
 
 if __name__ == "__main__":

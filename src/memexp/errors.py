@@ -12,9 +12,11 @@ describe their errors with `describe` too.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import NoReturn
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
@@ -85,6 +87,14 @@ def main(hydra_main: Callable[[], None]) -> None:
         if before is not None:
             os.environ[FULL_ERROR] = before
         _borrowed = False
+
+
+def reader_left() -> NoReturn:
+    """The reader of our output has gone (`python train.py --help | head`): stop as shell
+    tools do, with no traceback. stdout goes to /dev/null first, or Python reports the broken
+    pipe again when it flushes stdout at exit."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise SystemExit(128 + signal.SIGPIPE)
 
 
 @contextmanager

@@ -63,10 +63,27 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             chunk = jobs[first:first + max(width, 1)]
             arguments = [(overrides, "hydra.sweep.dir", number, f"job_id_for_{number}",
                           Singleton.get_state()) for overrides, number in chunk]
+            submitted_at = time.monotonic()
             submitted = self._submit(executor, arguments)
-            returns += [self._outcome(job, overrides, number)
-                        for job, (overrides, number) in zip(submitted, chunk, strict=True)]
+            for job, (overrides, number) in zip(submitted, chunk, strict=True):
+                returns.append(self._outcome(job, overrides, number))
+                log.info(self._ended(overrides, number, time.monotonic() - submitted_at,
+                                     f"[{len(returns)}/{len(jobs)}]"))
         return returns
+
+    def _ended(self, overrides: list[str], number: int, seconds: float, count: str) -> str:
+        """One line per job as it ends, into the sweep's own output: its result.json (read by
+        `memexp show`) says the same, but sits in a folder nobody watches mid-sweep."""
+        from memexp.progress import duration
+        from memexp.result import BadRecord, load_record, mib
+
+        try:
+            record = load_record(self._job_dir(overrides, number) / "result.json")
+        except BadRecord as error:
+            return f"{count} job #{number} {' '.join(filter_overrides(overrides))}: {error}"
+        peak = (record.get("memory") or {}).get("peak_bytes")
+        return (f"{count} job #{number} {' '.join(filter_overrides(overrides))}: "
+                f"{record['status']}, peak {mib(peak)}, {duration(seconds)}")
 
     def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
                  singleton_state: dict) -> JobReturn:

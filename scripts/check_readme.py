@@ -1,0 +1,135 @@
+"""Run README.md's shell code blocks, as pasted, from a fresh clone; report each exit status.
+
+    python3 scripts/check_readme.py [--clone DIR] [--timeout S]     (make check-readme)
+
+Without --clone it clones this checkout's HEAD (`git clone <repo> <tmp>/fresh`), so what is
+checked is what is committed. The code blocks are read in order: every command of a ```bash
+block (a line, with its `\\` continuations; comments dropped), and every `$ ` line of the
+other blocks (the transcripts), runs in the clone through
+`bash -c 'source .venv/bin/activate; <command>'`. A transcript command whose quoted output
+starts with an error (`memexp: ...`) must fail, every other command must succeed. The first
+block's `make run` makes .venv.
+
+What is changed in a command, and nothing else:
+- `python train.py` and `memexp plan ... --verify` get short runs: `trainer.max_steps=N` set to
+  SHORT_STEPS (replacing the command's own value, or appended);
+- `outputs/sweeps/<time>` is the newest sweep folder the commands before it made.
+
+Commands that need what this machine lacks (a GPU, SLURM, the network, files of your own) are
+listed as skipped with the reason, not run. Exit status 1 if any command failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SHORT_STEPS = 3
+# (what in the command, why it is not run here); the first that matches wins.
+SKIPS = [
+    ("make test", "the whole test suite (about 8 minutes idle); CI runs it as .ci/run"),
+    ("hydra/launcher=slurm", "needs a SLURM cluster (make slurm-up: root and the package "
+                             "registry)"),
+    ("make slurm-", "starts or stops SLURM daemons (root, the package registry)"),
+    ("sinfo", "needs a SLURM cluster"),
+    ("--target cuda", "needs .venv-cuda (make cuda-estimator downloads a CUDA torch, ~5.5 GB)"),
+    ("make cuda-estimator", "downloads a CUDA build of torch (~5.5 GB)"),
+    ("data.batch_size=auto", "needs a GPU (on CPU it needs memory.budget, as the README says)"),
+    ("data=cifar10", "needs the CIFAR-10 files in ~/datasets (nothing is downloaded)"),
+    ("model.pretrained=", "needs your own weights at that path"),
+    ("model=timm", "timm does not import beside the pinned CPU torch (no torchvision)"),
+    ("mypkg.", "mypkg is a placeholder for your own package"),
+]
+
+
+def commands(readme: str) -> list[tuple[str, bool]]:
+    """(command, whether it must fail) for every command of the README's code blocks, in order."""
+    found = []
+    for language, block in re.findall(r"^ *```(\w*)\n(.*?)^ *```", readme, re.S | re.M):
+        lines = re.sub(r"\\\n\s*", "", block).splitlines()
+        for i, line in enumerate(lines):
+            if language == "bash":
+                command = line.split(" #")[0].strip() if not line.strip().startswith("#") else ""
+                fails = False
+            elif line.strip().startswith("$ "):
+                command = line.strip()[2:].split(" #")[0].strip()
+                output = next((later.strip() for later in lines[i + 1:]
+                               if not later.strip().startswith("$ ")), "")
+                fails = output.startswith("memexp: ")
+            else:
+                continue
+            if command:
+                found.append((command, fails))
+    return found
+
+
+def shortened(command: str) -> str:
+    """`command` with short runs, where it trains."""
+    trains = "train.py" in command or "--verify" in command
+    if not trains:
+        return command
+    if "trainer.max_steps=" in command:
+        return re.sub(r"trainer\.max_steps=\d+", f"trainer.max_steps={SHORT_STEPS}", command)
+    return f"{command} trainer.max_steps={SHORT_STEPS}"
+
+
+def resolved(command: str, clone: Path) -> str:
+    if "outputs/sweeps/<time>" in command:
+        newest = max((clone / "outputs" / "sweeps").iterdir(), key=lambda p: p.stat().st_mtime)
+        command = command.replace("outputs/sweeps/<time>", f"outputs/sweeps/{newest.name}")
+    return command
+
+
+def skip_reason(command: str) -> str | None:
+    return next((why for what, why in SKIPS if what in command), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--clone", type=Path, help="a clone to run in (default: a fresh one)")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per command")
+    args = parser.parse_args()
+    clone = args.clone
+    if clone is None:
+        clone = Path(tempfile.mkdtemp(prefix="check-readme-")) / "fresh"
+        subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
+    commit = subprocess.check_output(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
+                                     text=True).strip()
+    print(f"check_readme: README.md of {clone} (commit {commit})", flush=True)
+    failed = 0
+    for command, must_fail in commands((clone / "README.md").read_text()):
+        why = skip_reason(command)
+        if why:
+            print(f"skip     {command}\n         ({why})", flush=True)
+            continue
+        ran = resolved(shortened(command), clone)
+        started = time.monotonic()
+        try:
+            done = subprocess.run(["bash", "-c", f"source .venv/bin/activate 2>/dev/null; {ran}"],
+                                  cwd=clone, capture_output=True, text=True,
+                                  timeout=args.timeout)
+            status = done.returncode
+        except subprocess.TimeoutExpired:
+            done, status = None, "timeout"
+        seconds = time.monotonic() - started
+        wrong = status == 0 if must_fail else status != 0
+        expected = " (must fail)" if must_fail else ""
+        print(f"{'FAILED' if wrong else 'ok':<6} exit {status!s:<3} {ran}{expected}  "
+              f"({seconds:.0f} s)", flush=True)
+        if wrong:
+            failed += 1
+            if done is not None:
+                tail = (done.stdout + done.stderr).strip().splitlines()[-8:]
+                print("\n".join(f"         | {line}" for line in tail), flush=True)
+    print(f"check_readme: {failed} command(s) did not do what the README shows", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
