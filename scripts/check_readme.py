@@ -59,8 +59,8 @@ def commands(readme: str) -> list[tuple[str, bool]]:
                 fails = False
             elif line.strip().startswith("$ "):
                 command = line.strip()[2:].split(" #")[0].strip()
-                output = next((later.strip() for later in lines[i + 1:]
-                               if not later.strip().startswith("$ ")), "")
+                # its output: the lines up to the next `$ ` (none when one follows at once)
+                output = lines[i + 1].strip() if i + 1 < len(lines) else ""
                 fails = output.startswith("memexp: ")
             else:
                 continue
@@ -76,6 +76,9 @@ def shortened(command: str) -> str:
         return command
     if "trainer.max_steps=" in command:
         return re.sub(r"trainer\.max_steps=\d+", f"trainer.max_steps={SHORT_STEPS}", command)
+    if command.startswith("memexp "):  # before the options (`--verify 2`): memexp's overrides
+        words = command.split(" --", 1)
+        return " --".join([f"{words[0]} trainer.max_steps={SHORT_STEPS}", *words[1:]])
     return f"{command} trainer.max_steps={SHORT_STEPS}"
 
 
