@@ -66,19 +66,23 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             submitted_at = time.monotonic()
             submitted = self._submit(executor, arguments)
             for job, (overrides, number) in zip(submitted, chunk, strict=True):
-                returns.append(self._outcome(job, overrides, number))
-                log.info(self._ended(overrides, number, time.monotonic() - submitted_at,
+                # resolved once (a compose of the job's config) for both
+                result_file = self._job_dir(overrides, number) / "result.json"
+                returns.append(self._outcome(job, overrides, number, result_file))
+                log.info(self._ended(overrides, number, result_file,
+                                     time.monotonic() - submitted_at,
                                      f"[{len(returns)}/{len(jobs)}]"))
         return returns
 
-    def _ended(self, overrides: list[str], number: int, seconds: float, count: str) -> str:
+    def _ended(self, overrides: list[str], number: int, result_file: Path, seconds: float,
+               count: str) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
         `memexp show`) says the same, but sits in a folder nobody watches mid-sweep."""
         from memexp.progress import duration
         from memexp.result import BadRecord, load_record, mib
 
         try:
-            record = load_record(self._job_dir(overrides, number) / "result.json")
+            record = load_record(result_file)
         except BadRecord as error:
             return f"{count} job #{number} {' '.join(filter_overrides(overrides))}: {error}"
         peak = (record.get("memory") or {}).get("peak_bytes")
@@ -129,7 +133,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         return {k: v for k, v in self.params.items()
                 if k not in NOT_JOB_PARAMETERS and v is not None}
 
-    def _outcome(self, job, overrides: list[str], number: int) -> JobReturn:
+    def _outcome(self, job, overrides: list[str], number: int, result_file: Path) -> JobReturn:
         from submitit.core.utils import UncompletedJobError
 
         from memexp.result import record_killed
@@ -141,8 +145,8 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             # SLURM's own TIMEOUT: its time limit came before the job could requeue or record.
             status = "timeout" if job.state == "TIMEOUT" else "killed"
             stderr = (job.stderr() or "").strip().splitlines()[-20:]
-            record_killed(self._job_dir(overrides, number) / "result.json", overrides,
-                          f"{error}\n" + "\n".join(stderr), status=status)
+            record_killed(result_file, overrides, f"{error}\n" + "\n".join(stderr),
+                          status=status)
             log.error(f"job #{number} ended ({job.state}) before it could record a result; "
                       "its result.json says how; the sweep goes on")
         outcome = JobReturn(overrides=overrides, status=JobStatus.COMPLETED)
