@@ -127,6 +127,7 @@ def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             log.error(summary(record.payload, run_dir))
         raise
     finally:
+        trainer = None  # its DDP wrapper holds the process group (see destroy_process_group)
         distributed.destroy_process_group()
     logger.finish(record.payload, exit_code=0)
     if rank == 0:

@@ -18,6 +18,7 @@ rank 0 names the first failure in result.json (`first_failure`).
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import multiprocessing
 import os
@@ -79,10 +80,17 @@ def init_process_group(timeout_s: float) -> tuple[int, int]:
 
 
 def destroy_process_group() -> None:
-    """Leave the group at the end of a run: a process that exits with gloo's threads still
-    running may abort ("terminate called without an active exception")."""
+    """Leave the group at the end of a run, and free it now, while the interpreter lives.
+
+    A process group lives on while anything holds it (the trainer's DDP wrapper does, inside
+    reference cycles), and its destructor is what joins gloo's threads. Left to the collection
+    at exit, a gloo thread still releasing the last collective's tensors needs the GIL during
+    finalization and aborts the process: "terminate called without an active exception", exit
+    -6, after a run that finished ok (pytorch/pytorch#190489; 5 of 76 torchrun runs here). The
+    caller drops its trainer first."""
     if dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()
 
 
 # -- torchrun: rank 0 resolves the job, the others receive it -----------------------------------
