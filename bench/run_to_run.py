@@ -8,6 +8,10 @@ over the smallest median, beside the share of the machine other processes took.
 
     python bench/run_to_run.py [--repeats 6] [--steps 60] [overrides ...]   (default:
     model=transformer)
+
+With --blocks N, one process instead: the config's steps (tracker off) in N blocks of --steps,
+one after another, each block's median and the machine's load meanwhile. Where blocks move as
+much as processes do, the machine's speed moves over seconds, whatever the process.
 """
 
 from __future__ import annotations
@@ -17,11 +21,12 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from machine import describe_machine
 
-from memexp.timing import MachineLoad
+from memexp.timing import MachineLoad, quartiles
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -31,9 +36,13 @@ def main() -> None:
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--repeats", type=int, default=6)
     parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--blocks", type=int, default=0)
     parser.add_argument("overrides", nargs="*", default=["model=transformer"])
     args = parser.parse_args()
     print(describe_machine())
+    if args.blocks:
+        blocks(args.blocks, args.steps, args.overrides)
+        return
     print(f"python train.py {' '.join(args.overrides)} trainer.max_steps={args.steps}, "
           f"{args.repeats} processes one after another\n")
     print("| run | median step ms | IQR within the run, ms | others' CPU share |")
@@ -56,6 +65,37 @@ def main() -> None:
             print(f"| {run + 1} | {timing['step_time_s'] * 1e3:.1f} | {low * 1e3:.1f}-"
                   f"{high * 1e3:.1f} | {share} |", flush=True)
     print(f"\nlargest / smallest median: {max(medians) / min(medians):.2f}x")
+
+
+def blocks(count: int, steps: int, overrides: list[str]) -> None:
+    from time_ratios import COMMON, compose_cfg
+
+    from memexp.trainer import Trainer
+
+    trainer = Trainer(compose_cfg([*COMMON, "memory.track=false", *overrides]))
+    batches = trainer.data.train_batches()
+    trainer.model.train()
+    for _ in range(5):  # warm-up
+        trainer.train_step(batches)
+    print(f"{' '.join(overrides)}: {count} blocks of {steps} steps in one process\n")
+    print("| block | median step ms | IQR within the block, ms | others' CPU share |")
+    print("|---|---|---|---|")
+    medians = []
+    for block in range(count):
+        load = MachineLoad()
+        load.start()
+        times = []
+        for _ in range(steps):
+            started = time.perf_counter()
+            trainer.train_step(batches)
+            times.append(time.perf_counter() - started)
+        low, median, high = quartiles(times)
+        medians.append(median)
+        others = load.others_share(load.own_cpu())
+        share = "unknown" if others is None else f"{others:.0%}"
+        print(f"| {block + 1} | {median * 1e3:.1f} | {low * 1e3:.1f}-{high * 1e3:.1f} | "
+              f"{share} |", flush=True)
+    print(f"\nlargest / smallest block median: {max(medians) / min(medians):.2f}x")
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -11,6 +12,7 @@ import torch
 from memexp.trainer import Trainer
 
 from conftest import (
+    HF_GPT2,
     compose_train,
     first_step_gradients,
     max_relative_error,
@@ -28,6 +30,22 @@ def test_accumulation_gives_the_gradient_of_the_large_batch(model):
     # Micro-batches k of size B/k are consecutive slices of the batch of size B.
     _, large = first_step_gradients(*model, "data.batch_size=32")
     _, accumulated = first_step_gradients(*model, "data.batch_size=8", "optim.accumulate=4")
+    assert max_relative_error(accumulated, large) <= 1e-5
+
+
+NO_DROPOUT = ("+model.config.resid_pdrop=0", "+model.config.embd_pdrop=0",
+              "+model.config.attn_pdrop=0")
+
+
+@pytest.mark.parametrize("loss", ["model", "cross_entropy"])
+def test_accumulation_of_padded_sequences_weighs_micro_batches_by_their_tokens(loss):
+    """Micro-batches of padded sequences count different numbers of tokens, and each loss is a
+    mean over its own: weighed equally, GPT-2's gradient was 6.2e-2 off the large batch's."""
+    model = (*HF_GPT2, *NO_DROPOUT, f"loss={loss}", "data.padding=0.5")
+    _, large = first_step_gradients(*model, "data.batch_size=8")
+    trainer, accumulated = first_step_gradients(*model, "data.batch_size=2", "optim.accumulate=4")
+    micros = list(itertools.islice(trainer.data.train_batches(), 4))
+    assert len({trainer.loss.items(batch) for batch in micros}) > 1  # the tokens do differ
     assert max_relative_error(accumulated, large) <= 1e-5
 
 

@@ -7,6 +7,7 @@ import itertools
 
 from test_report import result, rows_of
 
+from memexp.memory.timeline import Timeline
 from memexp.plots import overlap, place_labels, write_plots
 
 MIB = 2**20
@@ -63,3 +64,32 @@ def test_labels_of_points_at_one_spot_do_not_overlap_nor_cover_a_point():
     for box, (x, y) in itertools.product(boxes, anchors):
         assert overlap(box, (x - 5, y - 5, x + 5, y + 5)) == 0
     assert all(0 <= box[0] and box[2] <= 600 and 0 <= box[1] and box[3] <= 400 for box in boxes)
+
+
+def test_the_timeline_and_the_breakdown_give_each_category_one_colour(tmp_path, monkeypatch):
+    """A run's memory timeline (memory.snapshot) and its sweep's breakdown plot: activations,
+    gradients and the rest are drawn in the same colour in both."""
+    import matplotlib
+    from matplotlib.colors import to_rgb
+    from matplotlib.figure import Figure
+
+    saved: list[Figure] = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig",
+                        lambda figure, *a, **k: (saved.append(figure), real_savefig(figure, *a,
+                                                                                      **k)))
+    matplotlib.use("Agg")
+    timeline = Timeline(100)
+    timeline.set_states(2 * 2**20)
+    for total, activations, grads in [(4, 1, 0), (6, 2, 1), (5, 1, 1)]:
+        timeline.record("forward", total * 2**20, activations * 2**20, grads * 2**20, 0)
+    timeline.write(tmp_path / "run")
+    write_plots(rows_of(result(["checkpointing=none"], 0.08, 0.2, 0.71)), tmp_path)
+    stacked = {c.get_label(): to_rgb(c.get_facecolor()[0]) for c in saved[0].axes[0].collections}
+    breakdown = next(f for f in saved if "at the peak" in f.axes[0].get_title())
+    legend = {text.get_text(): to_rgb(handle.get_facecolor()) for text, handle in
+              zip(breakdown.axes[0].get_legend().get_texts(),
+                  breakdown.axes[0].get_legend().legend_handles, strict=True)}
+    for category in ("grads", "activations", "other"):
+        assert stacked[category] == legend[category], category
+    assert stacked["params_and_optimizer"] == legend["params"]

@@ -98,6 +98,35 @@ def test_help_into_a_pipe_whose_reader_left_stops_quietly():
     assert (done.returncode, done.stderr) == (128 + signal.SIGPIPE, "")
 
 
+EXITING = """
+import atexit, sys, threading, time
+from memexp.errors import exit_done
+
+class Module:
+    def __del__(self):
+        print("finalized")
+
+module = Module()  # a module's object: freed by the interpreter's finalization
+atexit.register(print, "exit handler ran")
+sys.stdout.write("buffered, not flushed")
+if sys.argv[1] == "writer":
+    threading.Thread(target=lambda: (time.sleep(0.5), print("thread wrote"))).start()
+exit_done()
+"""
+
+
+@pytest.mark.parametrize("case", ["done", "writer"])
+def test_a_finished_run_exits_without_finalization_but_loses_nothing(case):
+    """exit_done (train.py and every sweep job, once their work is written): the exit handlers
+    run and the output is flushed; the interpreter's finalization is skipped, unless a thread
+    that is not a daemon still runs, which is then waited for."""
+    done = subprocess.run([sys.executable, "-c", EXITING, case], capture_output=True,
+                          text=True, timeout=180, cwd=REPO, env=TRAIN_PY_ENV)
+    assert done.returncode == 0, done.stderr
+    assert "buffered, not flushed" in done.stdout and "exit handler ran" in done.stdout
+    assert ("thread wrote" in done.stdout) == ("finalized" in done.stdout) == (case == "writer")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_request_without_a_gpu_fails_and_records_it(tmp_path):
     done = run_train_py(tmp_path, *SMOKE[:-1], "trainer.device=cuda")

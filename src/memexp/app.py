@@ -235,6 +235,7 @@ def follow_rank_zero() -> None:
 def main() -> None:
     try:
         hydra_entry()
+        errors.exit_done()
     except Terminated:
         # Recorded as `terminated`, and summarized; exit as shells report SIGTERM (128 + 15).
         raise SystemExit(128 + signal.SIGTERM) from None

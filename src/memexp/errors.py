@@ -6,7 +6,8 @@ and at the end of a traceback. `train.py` goes through `main` below instead: a c
 becomes `memexp: <what>` plus the valid choices, and a run that stopped on bad input ends with
 its summary alone (its `error` line says what was wrong; the traceback is in result.json).
 `HYDRA_FULL_ERROR=1` still gives Hydra's own report, traceback and all. `memexp`'s subcommands
-describe their errors with `describe` too.
+describe their errors with `describe` too. How a process stops is here as well: quietly when its
+reader left (`reader_left`), at once when its work is done (`exit_done`).
 """
 
 from __future__ import annotations
@@ -95,6 +96,24 @@ def reader_left() -> NoReturn:
     pipe again when it flushes stdout at exit."""
     os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
     raise SystemExit(128 + signal.SIGPIPE)
+
+
+def exit_done() -> NoReturn:
+    """Exit 0 now that the run's work is written: the exit handlers run (logging's flush,
+    wandb's), then the process ends without the interpreter's finalization, which frees every
+    object of every module one by one: 1.7-2.2 s with torch loaded, paid by every job of a sweep.
+    A thread that is not a daemon may still be writing, so where one lives the exit is the
+    ordinary one, which waits for it."""
+    import atexit
+    import threading
+
+    main = threading.main_thread()
+    if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
+        raise SystemExit(0)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
 
 
 @contextmanager

@@ -6,7 +6,9 @@ is the logits), or a mapping such as Hugging Face's `ModelOutput`, from which me
 `logits`, and `loss` when the model computed one. Nothing else is asked of a model.
 
 Every option is called as `loss(outputs, batch)`; `hits(outputs, batch)` gives the correct and
-the counted predictions of a batch, or None where accuracy means nothing (regression).
+the counted predictions of a batch, or None where accuracy means nothing (regression);
+`items(batch)` how many items its loss is a mean over, which weighs the micro-batches of an
+accumulated step (`shares`).
 `passes_labels` says whether a mapping batch's `labels` go into the model's call (a model
 computes its own loss from them) or stay memexp's targets.
 """
@@ -60,6 +62,32 @@ class Loss(Protocol):
 
     def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
         """(correct, counted) predictions, as tensors on the batch's device, or None."""
+
+    def items(self, batch: Batch) -> int | None:
+        """How many items (targets that are not IGNORE) the loss of `batch` is a mean over;
+        None where that is unknown."""
+
+
+def shares(loss: Loss, batches: list[Batch]) -> list[float]:
+    """Each micro-batch's weight in an accumulated step: its items over all of theirs, so that
+    the weighted sum of their mean losses is the mean over every item of the step, as one batch
+    of them all would give (with padded sequences, micro-batches count different numbers of
+    tokens). Equal weights where the loss cannot count its items, or they count none. Across
+    ranks, DDP averages the ranks' gradients with equal weights, as it always does."""
+    counts = [loss.items(batch) for batch in batches]
+    if None in counts or sum(counts) == 0:
+        return [1 / len(batches)] * len(batches)
+    return [count / sum(counts) for count in counts]
+
+
+def counted(targets: Tensor | None, shift: bool) -> int | None:
+    """Integer targets that count (not IGNORE), past the first position with `shift`; None
+    without targets."""
+    if targets is None:
+        return None
+    if targets.is_floating_point():
+        return targets.numel()
+    return int(((targets[..., 1:] if shift else targets) != IGNORE).sum())
 
 
 def logits_of(outputs: Outputs, option: str) -> Tensor:
@@ -116,6 +144,9 @@ class CrossEntropy:
     def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
         return class_hits(outputs.logits, targets_of(batch), self.shift)
 
+    def items(self, batch: Batch) -> int | None:
+        return counted(targets_of(batch), self.shift)
+
     def check(self, outputs: Outputs, batch: Batch) -> None:
         logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
                                   self.shift)
@@ -142,6 +173,11 @@ class ModelLoss:
     def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
         return class_hits(outputs.logits, targets_of(batch), self.shift)
 
+    def items(self, batch: Batch) -> int | None:
+        """Hugging Face's losses are means over the labels that are not -100 (shifted for
+        causal language models), or over the samples (sequence classification)."""
+        return counted(targets_of(batch), self.shift)
+
     def check(self, outputs: Outputs, batch: Batch) -> None:
         targets = targets_of(batch)
         if outputs.logits is not None and targets is not None and not targets.is_floating_point():
@@ -162,6 +198,9 @@ class MSE:
     def hits(self, outputs: Outputs, batch: Batch) -> None:
         return None
 
+    def items(self, batch: Batch) -> int | None:
+        return counted(targets_of(batch), shift=False)
+
     def check(self, outputs: Outputs, batch: Batch) -> None:
         logits, targets = logits_of(outputs, "mse"), targets_of(batch)
         if logits.numel() != targets.numel():
@@ -181,6 +220,10 @@ class UserLoss:
         return self.function(outputs, batch)
 
     def hits(self, outputs: Outputs, batch: Batch) -> None:
+        return None
+
+    def items(self, batch: Batch) -> None:
+        """Unknown: what your loss is a mean over is yours (micro-batches weigh equally)."""
         return None
 
     def check(self, outputs: Outputs, batch: Batch) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 from textwrap import shorten
 
 from memexp.report import MIB, Row, pareto_front, speed
-from memexp.result import CATEGORY_ORDER, error_message
+from memexp.result import CATEGORY_ORDER, category_color, error_message
 
 DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
 LOG_SPAN = 10  # a value axis whose largest value is more than this times its smallest is log
@@ -144,10 +144,11 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     figure, axes = plt.subplots(figsize=(9, 0.5 * len(drawn) + 1.6), dpi=DPI)
     positions = range(len(drawn))
     left = [0.0] * len(drawn)
-    for number, category in enumerate(CATEGORY_ORDER[:5]):
+    for category in CATEGORY_ORDER[:5]:
         values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
                   for row in drawn]
-        faded = [to_rgba(f"C{number}", 1.0 if row.status == "ok" else 0.35) for row in drawn]
+        faded = [to_rgba(category_color(category), 1.0 if row.status == "ok" else 0.35)
+                 for row in drawn]
         axes.barh(positions, values, left=left, height=0.7, color=faded)
         left = [a + b for a, b in zip(left, values, strict=True)]
     # Each bar's outline is its peak. Jobs that did not succeed are faded and hatched, with
@@ -165,8 +166,8 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     axes.set_xlim(0, widest * (1.45 if any(row.status != "ok" for row in drawn) else 1.05))
     axes.set_xlabel("memory at the job's peak (MiB)")
     axes.set_title(f"Memory at the peak, by category: sweep {path.parent.name}")
-    categories = [Patch(color=f"C{number}", label=category)  # unfaded, whichever bar is first
-                  for number, category in enumerate(CATEGORY_ORDER[:5])]
+    categories = [Patch(color=category_color(category), label=category)  # unfaded
+                  for category in CATEGORY_ORDER[:5]]
     axes.legend(handles=categories, loc="upper left", bbox_to_anchor=(1.01, 1),
                 fontsize="small", title="category", title_fontsize="small")
     return save(figure, axes, path, labels, breakdown_notes(drawn, unknown))

@@ -66,6 +66,8 @@ class Row:
     step_time_range: tuple[float, float] | None = None
     # why the time ratio cannot be trusted, if it cannot
     time_doubt: str | None = None
+    # the base of its workload's ratios without the baseline options (none of those succeeded)
+    stand_in_base: bool = False
 
     @property
     def status(self) -> str:
@@ -196,10 +198,12 @@ def add_ratios(rows: list[Row]) -> None:
         if base := baseline(measured):
             for row in measured:
                 row.memory_ratio = row.peak / base.peak
+            base.stand_in_base = not is_baseline(base.result["config"])
         timed = [row for row in mine if row.step_time is not None]
         if base := baseline(timed):
             for row in timed:
                 add_time_ratio(row, base)
+            base.stand_in_base |= not is_baseline(base.result["config"])
 
 
 def add_time_ratio(row: Row, base: Row) -> None:
@@ -340,9 +344,13 @@ TIME_LEGEND = ("Step time x base: the median step time, taken with the storage t
 
 
 def time_notes(rows: list[Row]) -> list[str]:
-    """Under the table: which time ratios are uncertain and why, and why some are missing."""
-    notes = [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
-             for row in rows if row.time_doubt]
+    """Under the table: which job stands in as a base, which time ratios are uncertain and why,
+    and why some are missing."""
+    notes = [f"- job {row.job} is the base of its workload's ratios, though it is not a baseline "
+             f"config ({', '.join(BASELINE_GROUPS)} at their baseline options): none of those "
+             "succeeded" for row in rows if row.stand_in_base]
+    notes += [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
+              for row in rows if row.time_doubt]
     untimed = [row.job for row in rows if row.ok and row.step_time is None]
     if untimed:
         notes.append(f"- {jobs(untimed)}: no step time x base: every step ran under the storage "

@@ -25,6 +25,11 @@ GROUPS = ("precision", "checkpointing", "optim", "parallel", "bn_mode")
 CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
 
 
+def category_color(category: str) -> str:
+    """A memory category's colour in every plot: matplotlib's colour cycle, in CATEGORY_ORDER."""
+    return f"C{CATEGORY_ORDER.index(category)}"
+
+
 def now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 

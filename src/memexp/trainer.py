@@ -23,7 +23,7 @@ from tqdm import tqdm
 from memexp import checkpoint
 from memexp.data import Batch, Data
 from memexp.data.tensors import map_batch, map_inputs
-from memexp.loss import Outputs, as_loss, call_model
+from memexp.loss import Outputs, as_loss, call_model, shares
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
@@ -239,15 +239,19 @@ class Trainer:
     def train_step(self, batches: Iterator[Batch]) -> float:
         """One optimizer step over `optim.accumulate` micro-batches; returns the mean loss."""
         accumulate, meter, total = self.optim.accumulate, self.meter, 0.0
+        # Every micro-batch is fetched first: each weighs by its share of the step's items
+        # (memexp.loss.shares), which takes counting them all.
+        micros = [next(batches) for _ in range(accumulate)]
+        weights = shares(self.loss, micros) if accumulate > 1 else [1.0]
         for micro in range(accumulate):
-            batch = self.to_device(next(batches))
+            batch, micros[micro] = self.to_device(micros[micro]), None
             with self.parallel.accumulating(micro < accumulate - 1):
                 with (meter.phase("forward"), self.precision.autocast(),
                       self.checkpointing.context()):
                     loss = self.loss(self.forward(batch), batch)
-                    # Scale for accumulation; skipped at k=1, where the extra autograd node
-                    # would only cost time (x / 1 == x bitwise).
-                    loss = loss / accumulate if accumulate > 1 else loss
+                    # Weigh for accumulation; skipped at k=1, where the extra autograd node
+                    # would only cost time (x * 1 == x bitwise).
+                    loss = loss * weights[micro] if accumulate > 1 else loss
                 # Autograd keeps what backward needs; holding the batch longer costs memory.
                 del batch
                 with meter.phase("backward"):

@@ -42,6 +42,10 @@ def main(argv: list[str]) -> None:
 
     sys.argv = [argv[2], argv[3]]
     runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    # submitit has written the job's result: what is left is the interpreter's finalization.
+    from memexp.errors import exit_done
+
+    exit_done()
 
 
 if __name__ == "__main__":

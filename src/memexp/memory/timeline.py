@@ -11,6 +11,8 @@ from __future__ import annotations
 import csv
 from pathlib import Path
 
+from memexp.result import category_color
+
 COLUMNS = ("op", "phase", "params_and_optimizer", "grads", "activations", "other", "offloaded")
 
 
@@ -57,7 +59,10 @@ class Timeline:
         if self.points:
             ops = [p[0] for p in self.points]
             stacks = [[p[i] / 2**20 for p in self.points] for i in range(2, 6)]
-            axes.stackplot(ops, *stacks, labels=COLUMNS[2:6], step="post")
+            # each category in the colour the sweep's breakdown plot gives it (parameters and
+            # optimizer state together in the parameters')
+            colors = [category_color(c) for c in ("params", "grads", "activations", "other")]
+            axes.stackplot(ops, *stacks, labels=COLUMNS[2:6], colors=colors, step="post")
             axes.plot(ops, [p[6] / 2**20 for p in self.points], color="black", lw=0.8,
                       ls="--", label="offloaded (host)")
         axes.set_xlabel("op (the run's tensor operations, in order)")
