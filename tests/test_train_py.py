@@ -99,7 +99,7 @@ def test_help_into_a_pipe_whose_reader_left_stops_quietly():
 
 
 EXITING = """
-import atexit, sys, threading, time
+import atexit, sys, threading
 from memexp.errors import exit_done
 
 class Module:
@@ -109,9 +109,13 @@ class Module:
 module = Module()  # a module's object: freed by the interpreter's finalization
 atexit.register(print, "exit handler ran")
 sys.stdout.write("buffered, not flushed")
+release = threading.Event()  # the writer writes once exit_done has decided, whatever the load
 if sys.argv[1] == "writer":
-    threading.Thread(target=lambda: (time.sleep(0.5), print("thread wrote"))).start()
-exit_done()
+    threading.Thread(target=lambda: (release.wait(), print("thread wrote"))).start()
+try:
+    exit_done()
+finally:  # only where exit_done raised SystemExit: os._exit runs no finally
+    release.set()
 """
 
 
