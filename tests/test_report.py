@@ -16,7 +16,7 @@ from memexp.report import (
     markdown_table,
     pareto_front,
     pick,
-    time_notes,
+    ratio_notes,
 )
 
 GIB = 2**30
@@ -77,13 +77,13 @@ def test_a_job_standing_in_for_a_baseline_that_failed_is_named():
         result(["precision=bf16"], 5.0, 0.6, 0.8, precision="bf16"),
     )
     assert rows[1].memory_ratio == 1.0 and rows[2].memory_ratio == pytest.approx(5 / 6)
-    assert [row.stand_in_base for row in rows] == [False, True, False]
+    assert [bool(row.stand_in_base) for row in rows] == [False, True, False]
     assert any(note.startswith("- job 1 is the base of its workload's ratios, though it is not "
-                               "a baseline config") for note in time_notes(rows))
+                               "a baseline config") for note in ratio_notes(rows))
     # with the baseline there, nothing to say
     rows = rows_of(result(["precision=fp32"], 10.0, 1.0, 0.8),
                    result(["precision=amp"], 6.0, 0.5, 0.8, precision="amp"))
-    assert not any(row.stand_in_base for row in rows) and time_notes(rows) == []
+    assert not any(row.stand_in_base for row in rows) and ratio_notes(rows) == []
 
 
 def test_ratios_compare_techniques_on_the_same_workload():

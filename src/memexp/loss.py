@@ -75,14 +75,15 @@ def shares(loss: Loss, batches: list[Batch]) -> list[float]:
     tokens). Equal weights where the loss cannot count its items, or they count none. Across
     ranks, DDP averages the ranks' gradients with equal weights, as it always does."""
     counts = [loss.items(batch) for batch in batches]
-    if None in counts or sum(counts) == 0:
+    total = None if None in counts else sum(counts)
+    if not total:
         return [1 / len(batches)] * len(batches)
-    return [count / sum(counts) for count in counts]
+    return [count / total for count in counts]
 
 
 def counted(targets: Tensor | None, shift: bool) -> int | None:
-    """Integer targets that count (not IGNORE), past the first position with `shift`; None
-    without targets."""
+    """Integer targets that count (not IGNORE), past the first position with `shift`; float
+    targets (regression, class probabilities) all count; None without targets."""
     if targets is None:
         return None
     if targets.is_floating_point():

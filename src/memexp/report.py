@@ -66,8 +66,8 @@ class Row:
     step_time_range: tuple[float, float] | None = None
     # why the time ratio cannot be trusted, if it cannot
     time_doubt: str | None = None
-    # the base of its workload's ratios without the baseline options (none of those succeeded)
-    stand_in_base: bool = False
+    # why it is the base of its workload's ratios without the baseline options, if it is
+    stand_in_base: str | None = None
 
     @property
     def status(self) -> str:
@@ -198,12 +198,14 @@ def add_ratios(rows: list[Row]) -> None:
         if base := baseline(measured):
             for row in measured:
                 row.memory_ratio = row.peak / base.peak
-            base.stand_in_base = not is_baseline(base.result["config"])
+            if not is_baseline(base.result["config"]):
+                base.stand_in_base = "none of those succeeded"
         timed = [row for row in mine if row.step_time is not None]
         if base := baseline(timed):
             for row in timed:
                 add_time_ratio(row, base)
-            base.stand_in_base |= not is_baseline(base.result["config"])
+            if not is_baseline(base.result["config"]) and base.stand_in_base is None:
+                base.stand_in_base = "none of those has an untracked step time"
 
 
 def add_time_ratio(row: Row, base: Row) -> None:
@@ -343,12 +345,12 @@ TIME_LEGEND = ("Step time x base: the median step time, taken with the storage t
                "marks an uncertain ratio.")
 
 
-def time_notes(rows: list[Row]) -> list[str]:
+def ratio_notes(rows: list[Row]) -> list[str]:
     """Under the table: which job stands in as a base, which time ratios are uncertain and why,
     and why some are missing."""
     notes = [f"- job {row.job} is the base of its workload's ratios, though it is not a baseline "
-             f"config ({', '.join(BASELINE_GROUPS)} at their baseline options): none of those "
-             "succeeded" for row in rows if row.stand_in_base]
+             f"config ({', '.join(BASELINE_GROUPS)} at their baseline options): "
+             f"{row.stand_in_base}" for row in rows if row.stand_in_base]
     notes += [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
               for row in rows if row.time_doubt]
     untimed = [row.job for row in rows if row.ok and row.step_time is None]
@@ -436,7 +438,7 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
         "", table, ""]
     if any(row.step_time_ratio is not None for row in rows):
         lines += [TIME_LEGEND, ""]
-    if notes := time_notes(rows):
+    if notes := ratio_notes(rows):
         lines += [*notes, ""]
     if skipped:
         lines += ["## Skipped: result.json files that are not usable records of these jobs", "",
@@ -464,7 +466,7 @@ def write_report(sweep_dir: Path | str, budget: str | None = None) -> Report:
 def describe(report: Report) -> str:
     """What a user sees in the terminal at the end of a sweep."""
     lines = [report.table, ""]
-    if notes := time_notes(report.rows):
+    if notes := ratio_notes(report.rows):
         lines += [*notes, ""]
     lines += [f"skipped {why}" for why in report.skipped]
     if report.budget is not None:
