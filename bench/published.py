@@ -17,9 +17,10 @@ the source states its reading, 0.05 on the ratios.
 Where a source's software differs from today's in a way that changes memory, the difference is
 named: set with a memexp option where there is one (2022's Trainer kept gradients between steps,
 `optim.keep_grads=true`, and stepped AdamW parameter by parameter, `optim.foreach=false`), else
-added as its own term (DDP's buckets), never folded in silently.
+added as its own term (DDP's buckets; torch 1.10's softmax keeping its input), never folded in
+silently.
 
-    python bench/published.py [--source KEY]     (about 40 minutes on 2 busy cores, .venv-cuda)
+    python bench/published.py [--source KEY]     (about 10 minutes on 2 cores, .venv-cuda)
     python bench/published.py --traces           the same run traced three ways
 
 `--traces` shows what the CUDA trace sees that the CPU stand-in does not: two models at 1024
@@ -35,7 +36,9 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
+from memexp.config import target_path
 from memexp.estimate import Estimate, compose_config, estimate
+from memexp.techniques.checkpointing import NoCheckpointing
 
 MIB = 2**20
 GIB = 2**30
@@ -68,11 +71,26 @@ READINGS = {
 
 
 # -- software differences: each named, as a memexp option where there is one, else a term ------
-def ddp_buckets(result: Estimate) -> int:
+def ddp_buckets(result: Estimate, overrides: list[str]) -> int:
     """DistributedDataParallel's gradient buckets: with gradient_as_bucket_view=False (its
     default) the reducer holds a second fp32 copy of every gradient (PyTorch DDP docs,
     `gradient_as_bucket_view`). memexp's estimate covers one process without DDP."""
     return 4 * result.parameters
+
+
+def torch_1_10_softmax_input(result: Estimate, overrides: list[str]) -> int:
+    """softmax's input, which torch < 1.11 kept for backward beside its output: its
+    `_softmax_backward_data` took the input tensor, where 1.11 takes only its dtype (pytorch
+    issue #49600; transformers' pytorch_utils switches on `torch < 1.11` for that signature).
+    The input is an attention layer's fp32 scores (autocast runs softmax in fp32), one
+    (batch, heads, seq, seq) tensor per layer whose activations are held at the peak: every
+    layer, or with checkpointing the one layer recomputed during backward."""
+    cfg = compose_config(overrides)
+    config = cfg.model.config
+    checkpointed = cfg.checkpointing._target_ != target_path(NoCheckpointing)
+    layers = 1 if checkpointed else config.num_hidden_layers
+    scores = cfg.data.batch_size * config.num_attention_heads * cfg.data.seq_len**2
+    return layers * scores * 4
 
 
 @dataclass(frozen=True)
@@ -86,7 +104,8 @@ class Source:
     base: tuple[str, ...]  # memexp overrides of the shared setting
     rows: tuple[tuple[str, tuple[str, ...], float], ...]  # (label, overrides, published MiB)
     context: int | None = None  # the source's own measured CUDA context, bytes
-    extras: tuple[Callable[[Estimate], int], ...] = ()  # software differences, added
+    # software differences, added: bytes from the estimate and the row's overrides
+    extras: tuple[Callable[[Estimate, list[str]], int], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -136,7 +155,10 @@ SOURCES = (
              (*GA, *GC, "precision=amp", *ADAM_8BIT), 5363),
         ),
         context=1343 * MIB,
-        notes=("Adafactor there is transformers' own; here torch.optim.Adafactor (both factor "
+        extras=(torch_1_10_softmax_input,),
+        notes=("torch 1.10 or older: the page's nvidia-smi output is dated 11 January 2022, "
+               "before torch 1.11's release (10 March 2022)",
+               "Adafactor there is transformers' own; here torch.optim.Adafactor (both factor "
                "the second moment of a matrix into a row and a column)",
                "8-bit Adam there is bitsandbytes' Adam8bit; here torchao's AdamW8bit (both keep "
                "2 bytes of state per parameter)",
@@ -216,7 +238,7 @@ def run(source: Source) -> list[Result]:
         context = source.context if source.context is not None else result.memory[
             "context_bytes"]
         predicted = READINGS[source.reading][1](result, context, overrides)
-        predicted += sum(extra_bytes(result) for extra_bytes in source.extras)
+        predicted += sum(extra_bytes(result, overrides) for extra_bytes in source.extras)
         results.append(Result(source, label, int(published_mib * MIB), predicted, result,
                               time.perf_counter() - started))
         print(f"  {source.key}: {label}: published {published_mib:,.0f} MiB, estimate "
@@ -261,7 +283,8 @@ def summary(results: list[Result]) -> str:
 def describe_sources(sources: tuple[Source, ...]) -> str:
     lines = []
     for s in sources:
-        extras = "; ".join(f"+ {e.__name__.replace('_', ' ')}" for e in s.extras)
+        # an extra's docstring names it before its first colon
+        extras = "; ".join(f"+ {e.__doc__.split(':')[0]}" for e in s.extras)
         context = (f"its own measured context, {s.context / MIB:,.0f} MiB" if s.context
                    else "context from memexp.gpus")
         lines.append(f"- **{s.key}**: {s.title} ({s.url}). Setting: {s.setting}. memexp: "
