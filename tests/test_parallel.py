@@ -7,7 +7,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -155,12 +154,12 @@ def test_sync_batchnorm_under_ddp_matches_one_process_on_the_global_batch(tmp_pa
 
 @pytest.mark.slow
 def test_a_failing_rank_is_named_in_result_json_with_its_traceback(tmp_path):
-    started = time.monotonic()
+    # Rank 0's collectives would wait an hour for the dead rank: that the run ends at all (within
+    # nproc2's time-out) shows it did not wait.
     done, result = nproc2(tmp_path, "debug=fast", "model=custom", "model._target_=chaos.Chaos",
                           "+model.mode=raise", "+model.rank=1", "parallel=ddp", PER_RANK,
-                          FAST_FAIL)
+                          "parallel.timeout_s=3600")
     assert done.returncode != 0
-    assert time.monotonic() - started < 60  # rank 0 did not wait for the dead rank
     assert result["status"] == "failed" and result["failed_rank"] == 1
     assert "chaos: this job raises" in result["error"]  # rank 1's, not "connection closed"
     assert "failed rank  1" in done.stdout + done.stderr

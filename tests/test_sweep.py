@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -212,18 +211,21 @@ def closed_port() -> int:
 
 @pytest.mark.parametrize("server", ["refuses", "never answers"])
 def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
-    port = SilentServer().port if server == "never answers" else closed_port()
+    silent = SilentServer() if server == "never answers" else None
+    port = silent.port if silent else closed_port()
     env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
            "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
-    started = time.monotonic()
     done = sweep(tmp_path / "wandb", *TINY, "logger=wandb", env=env)
-    elapsed = time.monotonic() - started
     assert done.returncode == 0, done.stderr[-3000:]
     result = results(tmp_path / "wandb")["0"]
     assert result["status"] == "ok"
     assert result["logger"]["wandb"]["mode"] == "offline"
     assert "unreachable" in result["logger"]["wandb"]["why"]
-    assert elapsed < 90  # the probe times out in seconds; wandb alone waits 90 s per attempt
+    if silent:
+        # Each process that logs (the job, the sweep's report run) asks once, with memexp's
+        # short probe; once it went unanswered nothing else waits on the server: not wandb's
+        # init (90 s), nor its analytics at exit (10 s).
+        assert len(silent.held) == 2
 
 
 def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):

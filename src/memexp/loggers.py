@@ -200,6 +200,10 @@ class WandbLogger:
     def _init(self, mode: str, run: RunInfo, **extra):
         import wandb
 
+        # wandb's own analytics follow the process's settings, not the run's: an offline run in
+        # a process where WANDB_MODE=online still has them post to the server at exit, waiting
+        # 10 s on one that never answers. The process's mode is the run's.
+        wandb.setup(settings=wandb.Settings(mode=mode))
         return wandb.init(
             project=self.project, entity=self.entity, mode=mode, group=run.group,
             config=run.config, dir=str(run.run_dir),
