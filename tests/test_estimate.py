@@ -10,7 +10,7 @@ from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
-from memexp.plan import plan
+from memexp.plan import plan, search_space
 from memexp.trainer import Trainer
 
 from conftest import CPU_SMALL, HF_BERT, HF_GPT2, compose_train
@@ -121,6 +121,15 @@ def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated():
 
 
 # -- plan ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("optim, tried", [("adamw", ["adamw", "adafactor", "adamw_8bit"]),
+                                          ("adam", ["adam", "adafactor", "adamw_8bit"]),
+                                          ("adamw_8bit", ["adamw_8bit"]), ("sgd", ["sgd"])])
+def test_plan_also_tries_the_lighter_optimizers_the_configured_ones_class_names(optim, tried):
+    cfg = compose_config([f"optim={optim}"])
+    assert search_space(cfg, optim, {})["optim"] == tried
+    assert search_space(cfg, optim, {"optim": ["sgd"]})["optim"] == ["sgd"]  # the user's choice
+
+
 def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # --verify runs into ./outputs/plans
     arguments = ["model=mlp", "data.batch_size=512", *CPU_SMALL, "precision=fp32,bf16", "optim=sgd",

@@ -33,12 +33,11 @@ from memexp.trainer import build
 # The candidates of each group when the command line names none.
 DEFAULT_SPACE = {
     "precision": ["fp32", "bf16", "amp", "bf16_pure"],
-    "optim": None,  # the configured optimizer, plus the memory-light ones for Adam-style ones
+    "optim": None,  # the configured optimizer, plus the lighter ones its class names
     "bn_mode": ["train", "efficient_eval"],
     "checkpointing": ["none", "full", "offload"],
     "optim.accumulate": ["1", "2", "4"],
 }
-LIGHT_OPTIMIZERS = {"adam": ["adafactor", "adamw_8bit"], "adamw": ["adafactor", "adamw_8bit"]}
 
 
 @dataclass
@@ -81,7 +80,7 @@ def search_space(cfg: DictConfig, optim: str,
         if group in searched:
             space[group] = searched[group]
         elif group == "optim":
-            space[group] = [optim, *LIGHT_OPTIMIZERS.get(optim, [])]
+            space[group] = [optim, *get_class(cfg.optim._target_).lighter]
         elif group == "bn_mode" and not has_batch_norm(cfg):
             space[group] = ["train"]
         else:

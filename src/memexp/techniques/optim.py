@@ -13,6 +13,7 @@ import re
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -80,6 +81,8 @@ class OptimizerChoice:
     accumulate: int = 1
     in_backward: bool = False
     keep_grads: bool = False
+    # optim options that keep less state for the same job: what `memexp plan` also tries
+    lighter: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -120,6 +123,7 @@ class Adam(OptimizerChoice):
              null: torch's choice (foreach on CUDA).
     """
 
+    lighter: ClassVar[tuple[str, ...]] = ("adafactor", "adamw_8bit")
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -168,6 +172,8 @@ class AdamW8bit(AdamW):
     """AdamW with block-quantized 8-bit moments (torchao's AdamW8bit): about 2 bytes of state per
     parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
     to 32-bit AdamW, which would measure the wrong thing."""
+
+    lighter: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
