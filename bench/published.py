@@ -36,28 +36,29 @@ from collections.abc import Callable
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
-from memexp.config import target_path
+from hydra.utils import get_class
+from omegaconf import DictConfig
+
 from memexp.estimate import Estimate, compose_config, estimate
-from memexp.techniques.checkpointing import NoCheckpointing
 
 MIB = 2**20
 GIB = 2**30
 
 
 # -- readings: an estimate as the source read its GPU --------------------------------------------
-def nvml_used(result: Estimate, context: int, overrides: list[str]) -> int:
+def nvml_used(result: Estimate, context: int, cfg: DictConfig) -> int:
     return result.memory["reserved_peak_bytes"] + context
 
 
-def max_allocated(result: Estimate, context: int, overrides: list[str]) -> int:
+def max_allocated(result: Estimate, context: int, cfg: DictConfig) -> int:
     return result.memory["allocated_peak_bytes"]
 
 
 def allocated_above_weights_and_input(result: Estimate, context: int,
-                                      overrides: list[str]) -> int:
+                                      cfg: DictConfig) -> int:
     """max_memory_allocated() during forward and backward, less memory_allocated() before
     them: the weights and the input batch (fp32 images, int64 labels)."""
-    memory, data = result.memory, compose_config(overrides).data
+    memory, data = result.memory, cfg.data
     batch = data.batch_size * (data.channels * data.image_size**2 * 4 + 8)
     return memory["allocated_peak_bytes"] - memory["breakdown_at_peak"]["params"] - batch
 
@@ -71,23 +72,22 @@ READINGS = {
 
 
 # -- software differences: each named, as a memexp option where there is one, else a term ------
-def ddp_buckets(result: Estimate, overrides: list[str]) -> int:
+def ddp_buckets(result: Estimate, cfg: DictConfig) -> int:
     """DistributedDataParallel's gradient buckets: with gradient_as_bucket_view=False (its
     default) the reducer holds a second fp32 copy of every gradient (PyTorch DDP docs,
     `gradient_as_bucket_view`). memexp's estimate covers one process without DDP."""
     return 4 * result.parameters
 
 
-def torch_1_10_softmax_input(result: Estimate, overrides: list[str]) -> int:
+def torch_1_10_softmax_input(result: Estimate, cfg: DictConfig) -> int:
     """softmax's input, which torch < 1.11 kept for backward beside its output: its
     `_softmax_backward_data` took the input tensor, where 1.11 takes only its dtype (pytorch
     issue #49600; transformers' pytorch_utils switches on `torch < 1.11` for that signature).
     The input is an attention layer's fp32 scores (autocast runs softmax in fp32), one
     (batch, heads, seq, seq) tensor per layer whose activations are held at the peak: every
     layer, or with checkpointing the one layer recomputed during backward."""
-    cfg = compose_config(overrides)
     config = cfg.model.config
-    checkpointed = cfg.checkpointing._target_ != target_path(NoCheckpointing)
+    checkpointed = not get_class(cfg.checkpointing._target_).baseline
     layers = 1 if checkpointed else config.num_hidden_layers
     scores = cfg.data.batch_size * config.num_attention_heads * cfg.data.seq_len**2
     return layers * scores * 4
@@ -104,8 +104,8 @@ class Source:
     base: tuple[str, ...]  # memexp overrides of the shared setting
     rows: tuple[tuple[str, tuple[str, ...], float], ...]  # (label, overrides, published MiB)
     context: int | None = None  # the source's own measured CUDA context, bytes
-    # software differences, added: bytes from the estimate and the row's overrides
-    extras: tuple[Callable[[Estimate, list[str]], int], ...] = ()
+    # software differences, added: bytes from the estimate and the row's config
+    extras: tuple[Callable[[Estimate, DictConfig], int], ...] = ()
     notes: tuple[str, ...] = field(default=())
 
 
@@ -234,11 +234,12 @@ def run(source: Source) -> list[Result]:
     for label, extra, published_mib in source.rows:
         overrides = [*source.base, *extra]
         started = time.perf_counter()
-        result = estimate(compose_config(overrides), "cuda", source.gpu)
+        cfg = compose_config(overrides)
+        result = estimate(cfg, "cuda", source.gpu)
         context = source.context if source.context is not None else result.memory[
             "context_bytes"]
-        predicted = READINGS[source.reading][1](result, context, overrides)
-        predicted += sum(extra_bytes(result, overrides) for extra_bytes in source.extras)
+        predicted = READINGS[source.reading][1](result, context, cfg)
+        predicted += sum(extra_bytes(result, cfg) for extra_bytes in source.extras)
         results.append(Result(source, label, int(published_mib * MIB), predicted, result,
                               time.perf_counter() - started))
         print(f"  {source.key}: {label}: published {published_mib:,.0f} MiB, estimate "
