@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import shlex
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -251,3 +253,16 @@ def test_hf_config_keys_stay_as_documented():
                         "+model.config.n_layer=4")
     assert OmegaConf.to_container(cfg.model.config) == {"use_cache": False, "n_layer": 4}
     assert cfg.data.task == "causal_lm" and cfg.loss.shift is True
+
+
+def test_a_hugging_face_model_builds_without_torchaos_import_noise():
+    # transformers' modeling code imports torchao where it is installed (the lowbit extra is):
+    # with logging set up as a run's is, its import warnings (CUDA libraries a CPU torch cannot
+    # load, no Triton, torch's Enum deprecation) are not the user's to act on.
+    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
+            "from memexp.estimate import compose_config\n"
+            "from memexp.trainer import build_model\n"
+            f"build_model(compose_config({list(GPT2)!r}).model)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr

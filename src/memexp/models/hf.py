@@ -14,6 +14,7 @@ from pathlib import Path
 from torch import nn
 
 from memexp.models import plain
+from memexp.quiet import quiet_torchao_import
 
 # model.task -> (the Auto class that adds the task's head, the name of its architecture table in
 # transformers.models.auto.modeling_auto)
@@ -76,6 +77,10 @@ def hf_model(arch: str, task: str, config: dict | None = None, pretrained: str |
                  enable()`, formerly gradient_checkpointing_enable), non-reentrant, to compare
                  with memexp's checkpointing (use one or the other)"""
     import transformers
+
+    # transformers' modeling code imports torchao where it is installed: once, quietly, here
+    with quiet_torchao_import():
+        import transformers.modeling_utils  # noqa: F401
 
     check_choice(arch, task)
     overrides = plain(config)

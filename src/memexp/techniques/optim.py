@@ -8,15 +8,14 @@ way.
 
 from __future__ import annotations
 
-import logging
-import re
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 from torch import Tensor
+
+from memexp.quiet import quiet_torchao_import
 
 MakeOptimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -197,36 +196,3 @@ class AdamW8bit(AdamW):
                 "for small optimizer state."
             ) from error
         return AdamW8bit
-
-
-# torchao's import logs warnings its users cannot act on: its CUDA kernel libraries do not load
-# into a CPU build of torch, and without CUDA there is no Triton (AdamW8bit needs neither); and
-# torch deprecates register_constant() on Enum classes, which torchao calls. Exactly those
-# records are dropped.
-TORCHAO_NOISE = {
-    "torchao": re.compile(r"Failed to load \S*/torchao/_C[^/]*\.so: "),
-    "torchao.kernel.intmm": re.compile(r"Warning: Detected no triton, "),
-    "torch.utils._pytree": re.compile(r"%s is an Enum subclass and is now natively supported "),
-}
-
-
-class DropMatching(logging.Filter):
-    def __init__(self, pattern: re.Pattern):
-        super().__init__()
-        self.pattern = pattern
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not self.pattern.match(str(record.msg))
-
-
-@contextmanager
-def quiet_torchao_import() -> Iterator[None]:
-    """Import torchao without its TORCHAO_NOISE (the filters live only during the import)."""
-    filters = {name: DropMatching(pattern) for name, pattern in TORCHAO_NOISE.items()}
-    for name, keep in filters.items():
-        logging.getLogger(name).addFilter(keep)
-    try:
-        yield
-    finally:
-        for name, keep in filters.items():
-            logging.getLogger(name).removeFilter(keep)
