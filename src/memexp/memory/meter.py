@@ -152,6 +152,7 @@ class MemoryMeter:
         self._masters: list[torch.Tensor] = []
         self._swaps = False
         self._tracking: ExitStack | None = None
+        self._grad_hooks: list = []  # the gradient hooks of the watched model's parameters
         self.last_phase: str | None = None  # the last named phase entered (OOM reports use it)
 
     def watch(self, model: nn.Module) -> None:
@@ -162,9 +163,9 @@ class MemoryMeter:
         self._swaps = isinstance(model, SwapsParameters)
         if self.tracker is not None:
             self.tracker.track(*self._model_tensors())
-            for param in model.parameters():
-                if param.requires_grad:
-                    param.register_post_accumulate_grad_hook(self._count_grad)
+            # removed when the tracker stops: a hook per parameter and backward costs time
+            self._grad_hooks = [param.register_post_accumulate_grad_hook(self._count_grad)
+                                for param in model.parameters() if param.requires_grad]
             self.tracker.on_new_peak = self._name_changed_roles
 
     def watch_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -213,12 +214,21 @@ class MemoryMeter:
         """Whether the storage tracker is counting now."""
         return self._tracking is not None
 
+    @property
+    def measuring(self) -> bool:
+        """Whether the device's memory is still counted: by the tracker, or by CUDA's counters,
+        which count every step of the run."""
+        return self.tracking or self.counters is not None
+
     def pause(self) -> None:
         """Turn the tracker off for the rest of the meter's context: what follows runs at full
         speed. Frees are still seen, allocations are not, so nothing after this is measured."""
         if self._tracking is not None:
             self._tracking.close()
             self._tracking = None
+        for hook in self._grad_hooks:
+            hook.remove()
+        self._grad_hooks = []
 
     def write_snapshot(self) -> None:
         folder = self.snapshot_to
