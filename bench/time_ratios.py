@@ -4,14 +4,18 @@ For each model and technique (optim.accumulate=4 at a quarter of the batch, chec
 precision=bf16), against the model's baseline:
 - report: each config runs as its own `python train.py` process (as a sweep's job does), into
   numbered folders, and the ratio is the report's `step time x base`, read with
-  memexp.report.load_rows (the run times its steps after memory.measure_steps, tracker off);
+  memexp.report.load_rows: the one each technique's run timed beside its baseline in its own
+  process (timing.paired_steps, the default), with the interquartile range of its step-by-step
+  ratios. Beside it, from the same runs, what the report gave before runs timed their baseline:
+  the ratio of the two runs' median step times;
 - reference: the same two configs in one process, their steps (Trainer.train_step with
-  memory.track=false) interleaved one by one, the order alternating; the ratio of the medians,
-  and the interquartile range of the round-by-round ratios.
+  memory.track=false) interleaved one by one, the order alternating; the median of the
+  round-by-round ratios and their interquartile range.
 Reference and report runs alternate (reference, runs, reference, runs, ...), --repeats times; the
 share of the machine other processes took during each is printed.
 
     python bench/time_ratios.py [--models transformer resnet] [--steps 60] [--repeats 2]
+                                [--techniques precision=bf16 ...]
 
 Target: every report ratio within 5% of its reference.
 """
@@ -19,7 +23,6 @@ Target: every report ratio within 5% of its reference.
 from __future__ import annotations
 
 import argparse
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -55,7 +58,7 @@ def technique_overrides(model: str, technique: str) -> tuple[str, ...]:
 
 
 def reference(model: str, technique: str, rounds: int) -> tuple[float, tuple, float | None]:
-    """(ratio of median step times, round-by-round ratio quartiles, others' CPU share)."""
+    """(median round-by-round ratio, their quartiles, others' CPU share)."""
     sides = [Trainer(compose_cfg([*MODELS[model], "memory.track=false", *extra]))
              for extra in ((), technique_overrides(model, technique))]
     streams = [side.data.train_batches() for side in sides]
@@ -71,14 +74,15 @@ def reference(model: str, technique: str, rounds: int) -> tuple[float, tuple, fl
             sides[k].train_step(streams[k])
             if i >= 3:
                 times[k].append(time.perf_counter() - started)
-    ratio = statistics.median(times[1]) / statistics.median(times[0])
     pairs = quartiles([b / a for a, b in zip(times[0], times[1], strict=True)])
-    return ratio, pairs, load.others_share(load.own_cpu())
+    return pairs[1], pairs, load.others_share(load.own_cpu())
 
 
-def report_ratios(model: str, steps: int, folder: Path) -> tuple[dict, float | None]:
-    """Each technique's report ratio (the row), one `python train.py` run per config."""
-    configs = [(), *(technique_overrides(model, t) for t in TECHNIQUES)]
+def report_ratios(model: str, techniques: list[str], steps: int,
+                  folder: Path) -> tuple[list, float | None]:
+    """The report's rows: the baseline's, then each technique's, one `python train.py` run per
+    config."""
+    configs = [(), *(technique_overrides(model, t) for t in techniques)]
     load = MachineLoad(children=True)  # the runs' CPU time is ours, not other processes'
     load.start()
     for number, extra in enumerate(configs):
@@ -87,7 +91,7 @@ def report_ratios(model: str, steps: int, folder: Path) -> tuple[dict, float | N
              f"trainer.max_steps={steps}", *extra, f"hydra.run.dir={folder / str(number)}"],
             check=True, capture_output=True, cwd=folder)
     rows, _ = load_rows(folder)
-    return dict(zip(TECHNIQUES, rows[1:], strict=True)), load.others_share(load.own_cpu())
+    return rows, load.others_share(load.own_cpu())
 
 
 def main() -> None:
@@ -97,28 +101,35 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=60, help="steps of each report run")
     parser.add_argument("--rounds", type=int, default=40, help="interleaved reference rounds")
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--techniques", nargs="+", choices=TECHNIQUES, default=list(TECHNIQUES))
     args = parser.parse_args()
+    techniques = {name: TECHNIQUES[name] for name in args.techniques}
     print(describe_machine())
-    print("| model | technique | repeat | report ratio (IQR range) | reference ratio (round "
-          "IQR) | report / reference | others' CPU share: runs, reference |")
-    print("|---|---|---|---|---|---|---|")
-    worst = 0.0
+    print("| model | technique | repeat | report ratio (IQR) | how | reference ratio (round "
+          "IQR) | report / reference | medians of the two runs / reference | others' CPU "
+          "share: runs, reference |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    worst, worst_apart = 0.0, 0.0
     for model in args.models:
         for repeat in range(args.repeats):
-            refs = {t: reference(model, t, args.rounds) for t in TECHNIQUES}
+            refs = {t: reference(model, t, args.rounds) for t in techniques}
             with tempfile.TemporaryDirectory() as folder:
-                rows, others = report_ratios(model, args.steps, Path(folder))
-            for technique, row in rows.items():
+                (base, *rows), others = report_ratios(model, techniques, args.steps,
+                                                      Path(folder))
+            for technique, row in zip(techniques, rows, strict=True):
                 ratio, pairs, ref_others = refs[technique]
                 low, high = row.step_time_range
                 off = row.step_time_ratio / ratio
-                worst = max(worst, abs(off - 1))
+                apart = row.step_time.median / base.step_time.median / ratio
+                worst, worst_apart = max(worst, abs(off - 1)), max(worst_apart, abs(apart - 1))
+                how = "paired" if row.time_paired else "medians of two runs"
                 doubt = f", uncertain: {row.time_doubt}" if row.time_doubt else ""
                 print(f"| {model} | {technique} | {repeat + 1} | {row.step_time_ratio:.3f} "
-                      f"({low:.3f}-{high:.3f}{doubt}) | {ratio:.3f} ({pairs[0]:.3f}-"
-                      f"{pairs[2]:.3f}) | {off:.3f} | {others:.0%}, {ref_others:.0%} |",
-                      flush=True)
-    print(f"\nlargest difference: {worst:.1%} (target: 5%)")
+                      f"({low:.3f}-{high:.3f}{doubt}) | {how} | {ratio:.3f} ({pairs[0]:.3f}-"
+                      f"{pairs[2]:.3f}) | {off:.3f} | {apart:.3f} | {others:.0%}, "
+                      f"{ref_others:.0%} |", flush=True)
+    print(f"\nlargest difference: {worst:.1%} (target: 5%); the medians of two runs: "
+          f"{worst_apart:.1%}")
 
 
 if __name__ == "__main__":

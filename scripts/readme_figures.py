@@ -71,11 +71,13 @@ def quick(work: Path) -> dict[str, str]:
         return f"{float(row[key]):.2f}x" if row[key] else "no ratio"
 
     kept = "exactly where it was" if same_loss else "changed"
+    paired = full["step_time_x_base_paired"] == offload["step_time_x_base_paired"] == "True"
+    timed = ("each timed beside the baseline in its job's process, untracked; the brackets "
+             "give the spread" if paired else "the medians of separate runs, untracked")
     prose = (f"Checkpointing and offload leave the loss {kept} "
              f"(same math) and cut the peak to {ratio(full, 'memory_x_base')} and "
              f"{ratio(offload, 'memory_x_base')}, for {ratio(full, 'step_time_x_base')} and "
-             f"{ratio(offload, 'step_time_x_base')} the step time (median over untracked "
-             "steps; the table's brackets give the range)")
+             f"{ratio(offload, 'step_time_x_base')} the step time ({timed})")
     load = os.getloadavg()[0]
     return {"quick": f"```\n{block}\n```",
             "quick-prose": prose,

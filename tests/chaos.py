@@ -18,7 +18,8 @@ from torch import Tensor, nn
 class Chaos(nn.Module):
     """A linear classifier on flattened images whose training forward does `mode`:
     ok (nothing), raise (a Python exception), kill (SIGKILL to its own process), term (SIGTERM
-    to its own process), oom (a real CPU allocation failure, after the logits exist), diverge
+    to its own process), oom (a real CPU allocation failure, after the logits exist; with
+`oom_above`, only for batches larger than that: a batch that does not fit), diverge
     (NaN logits, so a NaN loss; not "nan", which Hydra reads as a float), leak (adds a penalty
     computed from each step's logits to a running total that is never detached nor
     backpropagated: the source's `total_loss += loss`, whose history keeps every step's graph,
@@ -31,12 +32,13 @@ class Chaos(nn.Module):
 
     def __init__(self, mode: str = "ok", num_classes: int = 10, in_features: int = 3 * 32 * 32,
                  rank: int | None = None, hold_at: int = 4, hold_dir: str | None = None,
-                 hold_s: float = 600):
+                 hold_s: float = 600, oom_above: int = 0):
         super().__init__()
         chosen = rank is None or int(os.environ.get("RANK", 0)) == rank
         self.mode = mode if chosen else "ok"
         self.linear = nn.Linear(in_features, num_classes)
         self.hold_at, self.hold_dir, self.hold_s = hold_at, hold_dir, hold_s
+        self.oom_above = oom_above
         self.forwards = 0
 
     def forward(self, x: Tensor) -> Tensor:
@@ -49,7 +51,7 @@ class Chaos(nn.Module):
             if self.mode == "hold" and self.forwards == self.hold_at:
                 self.hold()
         logits = self.linear(x.flatten(1))
-        if self.training and self.mode == "oom":
+        if self.training and self.mode == "oom" and len(x) > self.oom_above:
             torch.empty(2**48, dtype=torch.uint8)  # 256 TiB: the CPU allocator refuses
         if self.training and self.mode == "diverge":
             return logits * float("nan")

@@ -94,6 +94,16 @@ def test_report_rows_match_the_results(four_jobs):
     full = next(r for r in rows.values()
                 if r["precision"] == "fp32" and r["checkpointing"] == "full")
     assert float(full["memory_x_base"]) < 1.0
+    # each other job timed its baseline (fp32, none: the base's config) beside its steps 3-5
+    # (debug=fast), and that is its ratio in the report
+    for job, row in rows.items():
+        paired = found[job]["metrics"]["timing"]["paired"]
+        if row is baseline:
+            assert paired == {"skipped": "the run is its own baseline"}
+            assert row["step_time_x_base_paired"] == ""
+        else:
+            assert paired["steps"] == [[3, 5]] and row["step_time_x_base_paired"] == "True"
+            assert float(row["step_time_x_base"]) == pytest.approx(paired["ratio"])
 
 
 def test_jobs_run_one_at_a_time_by_default(four_jobs):

@@ -13,7 +13,7 @@ import torch
 from test_report import chosen_techniques, config_of, rows_of
 
 from memexp.memory import LiveStorageTracker
-from memexp.report import pick
+from memexp.report import pick, ratio_notes
 from memexp.timing import MachineLoad, step_timing
 
 from conftest import train
@@ -51,14 +51,72 @@ def test_a_run_too_short_for_untracked_steps_says_its_time_is_tracked():
 
 def test_step_timing_takes_untracked_steps_past_warmup():
     times = [9.0, 8.0, 7.0, 1.0, 2.0, 3.0, 4.0, 5.0]
-    timing = step_timing(times, measured=[1, 2, 3], warmup_steps=4, others_share=0.5)
+    timing = step_timing(times, measured=[1, 2, 3], warmup_steps=4, others_share=0.5,
+                         baseline_times=[], unpaired="the run is its own baseline")
     assert timing["timed_steps"] == [[5, 8]]
     assert timing["step_time_s"] == 3.5 and timing["step_time_iqr_s"] == [2.75, 4.25]
     assert timing["busy"] is True
-    assert step_timing(times, [1, 2, 3], 1, 0.0)["timed_steps"] == [[4, 8]]
+    assert timing["paired"] == {"skipped": "the run is its own baseline"}
+    assert step_timing(times, [1, 2, 3], 1, 0.0, [], None)["timed_steps"] == [[4, 8]]
     # every step measured: the tracked ones past warm-up
-    tracked = step_timing(times[:3], [1, 2, 3], 1, None)
+    tracked = step_timing(times[:3], [1, 2, 3], 1, None, [], None)
     assert tracked["tracked"] is True and tracked["timed_steps"] == [[2, 3]]
+
+
+def test_the_paired_ratio_is_the_median_of_the_step_by_step_ratios_over_timed_steps():
+    times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5]
+    # the baseline beside steps 3-7; step 3 is warm-up, so it is not timed and not paired
+    beside = [[3, 1.0], [4, 2.0], [5, 2.0], [6, 2.0], [7, 1.0]]
+    paired = step_timing(times, [1, 2], 3, None, beside, None)["paired"]
+    # step-by-step ratios 1.5, 2.0, 3.0, 1.5
+    assert paired == {"steps": [[4, 7]], "baseline_step_time_s": 2.0, "ratio": 1.75,
+                      "ratio_iqr": [1.5, 2.25]}
+
+
+@pytest.mark.parametrize("overrides", [
+    ("model=transformer", "model.dropout=0.2", "model.n_layers=2", "model.d_model=32",
+     "data.batch_size=4", "data.seq_len=16", "data.num_train=128", "data.num_eval=8",
+     "checkpointing=full"),
+    (*MLP, "optim.accumulate=4", "data.batch_size=4"),
+], ids=["transformer dropout checkpointing", "mlp accumulate"])
+def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrides):
+    alone, _ = train(*overrides, "memory.measure_steps=3", "timing.paired_steps=0", steps=12)
+    paired, metrics = train(*overrides, "memory.measure_steps=3", "timing.paired_steps=6",
+                            steps=12)
+    # the same losses and weights, to the bit: the baseline beside it took none of its random
+    # numbers (dropout), data or state
+    assert metrics.losses == alone.metrics.losses
+    for mine, theirs in zip(paired.model.parameters(), alone.model.parameters(), strict=True):
+        assert torch.equal(mine, theirs)
+    # steps 4-9 ran beside a baseline step (6 of them); the ratio is over the timed ones
+    timing = paired.summary_metrics()["timing"]
+    assert [step for step, _ in metrics.baseline_step_times] == [4, 5, 6, 7, 8, 9]
+    assert timing["paired"]["steps"] == [[4, 9]] and timing["paired"]["ratio"] > 0
+    assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
+
+
+@pytest.mark.parametrize(("overrides", "why"), [
+    ((), "the run is its own baseline"),
+    (("checkpointing=full", "memory.measure_steps=null"), "every step of the run measured memory"),
+    (("checkpointing=full", "memory.budget=1GiB"), "every step of the run measured memory"),
+], ids=["baseline", "measure every step", "budget"])
+def test_a_run_without_a_baseline_beside_it_says_why(overrides, why):
+    trainer, _ = train(*MLP, *overrides, steps=4)
+    assert trainer.summary_metrics()["timing"]["paired"]["skipped"].startswith(why)
+
+
+def test_a_baseline_that_runs_out_of_memory_beside_the_run_is_dropped_and_the_run_goes_on():
+    """Accumulation makes a batch fit that does not: the baseline's batch of 32 (the run's 4
+    micro-batches of 8) meets a real CPU allocation failure in its first step. The run trains
+    on, its own figures stand, and its record says why it has no paired ratio."""
+    overrides = ("model=custom", "model._target_=chaos.Chaos", "+model.mode=oom",
+                 "+model.oom_above=8", "data.batch_size=8", "optim.accumulate=4",
+                 "data.num_train=256", "data.num_eval=16", "memory.measure_steps=2")
+    trainer, metrics = train(*overrides, steps=5)
+    assert metrics.baseline_step_times == [] and len(metrics.losses) == 5
+    skipped = trainer.summary_metrics()["timing"]["paired"]["skipped"]
+    assert skipped.startswith("the baseline ran out of memory beside the run: RuntimeError:")
+    assert trainer.summary_metrics()["step_time_s"] > 0
 
 
 def test_machine_load_counts_other_processes():
@@ -93,13 +151,15 @@ def test_the_peak_is_classified_as_it_was_at_the_peak():
 # -- the report ----------------------------------------------------------------------------------
 def result(overrides: list[str], step: float, spread: float = 0.01, peak: int | None = 100,
            tracked_time: bool = False, busy: bool = False, batch: int = 64,
-           accumulate: int = 1, **techniques) -> dict:
+           accumulate: int = 1, paired: float | None = None, **techniques) -> dict:
     chosen = chosen_techniques(**techniques)
     timing = {"step_time_s": step, "step_time_iqr_s": [step - spread, step + spread],
-              "tracked": tracked_time, "busy": busy}
+              "tracked": tracked_time, "busy": busy,
+              "paired": {"skipped": "timing.paired_steps=0"} if paired is None else
+              {"ratio": paired, "ratio_iqr": [paired - 0.02, paired + 0.02]}}
     return {"status": "ok", "overrides": overrides, "techniques": chosen,
             "config": {**config_of(chosen), "data": {"batch_size": batch},
-                       "optim": {"accumulate": accumulate}},
+                       "optim": {**config_of(chosen)["optim"], "accumulate": accumulate}},
             "memory": {"peak_bytes": peak * MIB if peak else None, "tracked": peak is not None},
             "metrics": {"step_time_s": step, "throughput": batch / step,
                         "throughput_unit": "samples/s", "eval_accuracy": 0.5, "timing": timing}}
@@ -138,3 +198,27 @@ def test_an_uncertain_ratio_is_marked_and_never_names_the_fastest():
     busy = rows_of(base, result(["checkpointing=full"], 1.5, busy=True, checkpointing="full"))
     assert "busy during job 1" in busy[1].time_doubt
     assert pick(busy, 200 * MIB).fastest is None
+
+
+def test_a_ratio_timed_beside_the_baseline_is_the_reports_where_that_baseline_is_the_bases():
+    rows = rows_of(
+        result(["optim=sgd", "checkpointing=none"], 1.0),
+        # timed beside its baseline (sgd, none): that ratio, not the medians' 1.6
+        result(["optim=sgd", "checkpointing=full"], 1.6, paired=1.3, checkpointing="full"),
+        # its baseline would be adamw's, which is not the base: the medians' ratio
+        result(["optim=adamw", "checkpointing=full"], 1.5, paired=1.2, checkpointing="full",
+               optim="adamw"),
+        # four micro-batches of 16 beside one batch of 64, the base's
+        result(["optim=sgd", "optim.accumulate=4", "data.batch_size=16"], 1.1, batch=16,
+               accumulate=4, paired=1.25))
+    assert rows[0].workload == rows[1].workload == rows[2].workload == rows[3].workload
+    assert [r.step_time_ratio for r in rows] == [1.0, 1.3, 1.5, 1.25]
+    assert rows[1].step_time_range == (1.28, 1.32)
+    assert [r.time_paired for r in rows] == [None, True, False, True]
+    notes = "\n".join(ratio_notes(rows))
+    assert "jobs 1 and 3: step time x base timed beside the baseline" in notes
+    assert "job 2: step time x base divides the medians of two runs" in notes
+    # a busy machine during the base's run does not touch a ratio timed beside the baseline
+    busy_base = rows_of(result(["checkpointing=none"], 1.0, busy=True),
+                        result(["checkpointing=full"], 1.6, paired=1.3, checkpointing="full"))
+    assert busy_base[1].time_doubt is None

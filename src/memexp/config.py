@@ -96,6 +96,15 @@ class MemoryConfig:
 
 
 @dataclass
+class TimingConfig:
+    # the first this many timed steps (those after memory.measure_steps) each run beside a step
+    # of the run's baseline (memexp.baseline), built in the same process, the two by turns first:
+    # their time ratio then sees the same machine at the same moments. 0: none (the report then
+    # divides the median step times of separate runs, which carry each process's speed)
+    paired_steps: int = 40
+
+
+@dataclass
 class ReportConfig:
     # a device size such as 12GiB or 16GB: the sweep report names the fastest and the most
     # accurate configs that fit in it
@@ -106,6 +115,7 @@ class ReportConfig:
 class TrainConfig:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    timing: TimingConfig = field(default_factory=TimingConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
     # the groups: each holds one option, built from its `_target_`
     data: Any = MISSING

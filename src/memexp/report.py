@@ -6,14 +6,16 @@ sweep alike; a file that is not a usable record is skipped and named. Writes `re
 (`ReportCallback`) and on demand (`memexp report <sweep>`).
 
 Ratios compare techniques on the same workload: rows whose varying overrides differ only in
-technique settings (the technique groups and their keys, model.inplace, memory.*) share a
-baseline, the first that succeeded with the baseline option of precision, checkpointing and
-bn_mode (the classes' `baseline` attribute: fp32, none, train), else their first successful row.
+technique settings (the technique groups and their keys, model.inplace, memory.*, timing.*)
+share a base: the first that succeeded with the baseline option of precision, checkpointing and
+bn_mode (memexp.baseline), else their first successful row.
 Memory ratios need measured peaks; time ratios need step times taken with the storage tracker off
 (memexp.timing), so a run with memory.track=false has one and a run too short to have untracked
-steps has none. A time ratio is uncertain when the two runs' interquartile ranges leave it on
-either side of 1.0, or when other processes were busy on the machine during either run; the
-fastest config that fits a budget is never named on one.
+steps has none. A run that timed its own baseline beside it, where that baseline is the base's
+config, gives its time ratio from those paired steps; any other divides the two runs' medians.
+A time ratio is uncertain when its spread leaves it on either side of 1.0, or when other
+processes were busy on the machine during the steps it comes from; the fastest config that fits
+a budget is never named on one.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
-from hydra.utils import get_class, instantiate
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from memexp import run_folder
 from memexp.atomic import atomic_file
+from memexp.baseline import BASELINE_GROUPS, baseline_config, is_baseline, same_steps
 from memexp.checkpoint import is_run_length_key
 from memexp.memory.sizes import parse_size
 from memexp.result import (
@@ -45,13 +48,12 @@ from memexp.result import (
 
 log = logging.getLogger("memexp")
 MIB = 2**20
-BASELINE_GROUPS = ("precision", "checkpointing", "bn_mode")
 HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
 
 
 def is_technique_key(key: str) -> bool:
     key = key.lstrip("+~")
-    return key.split(".")[0] in (*GROUPS, "memory") or key == "model.inplace"
+    return key.split(".")[0] in (*GROUPS, "memory", "timing") or key == "model.inplace"
 
 
 @dataclass
@@ -66,6 +68,9 @@ class Row:
     step_time_range: tuple[float, float] | None = None
     # why the time ratio cannot be trusted, if it cannot
     time_doubt: str | None = None
+    # True: the ratio was timed beside its baseline in the run's process; False: it divides the
+    # medians of two runs; None: the row is the base, or has no ratio
+    time_paired: bool | None = None
     # why it is the base of its workload's ratios without the baseline options, if it is
     stand_in_base: str | None = None
 
@@ -106,6 +111,15 @@ class Row:
         if timing["tracked"]:
             return None
         return StepTime(timing["step_time_s"], *timing["step_time_iqr_s"], busy=timing["busy"])
+
+    def paired_with(self, base: Row) -> dict | None:
+        """The run's time against its baseline, timed beside it (memexp.timing), where that
+        baseline takes the steps `base` took; else None."""
+        paired = (self.metrics.get("timing") or {}).get("paired") or {}
+        if "ratio" not in paired:
+            return None
+        mine = baseline_config(self.result["config"])
+        return paired if mine is not None and same_steps(mine, base.result["config"]) else None
 
 
 @dataclass
@@ -180,11 +194,6 @@ def samples_per_step(row: Row, batch_size: str | None) -> int | str | None:
         return batch_size
 
 
-def is_baseline(config: dict) -> bool:
-    """A run whose precision, checkpointing and bn_mode are each their group's baseline."""
-    return all(get_class(config[group]["_target_"]).baseline for group in BASELINE_GROUPS)
-
-
 def baseline(rows: list[Row]) -> Row | None:
     """The row the others of a workload are compared with."""
     return next((row for row in rows if is_baseline(row.result["config"])),
@@ -209,10 +218,19 @@ def add_ratios(rows: list[Row]) -> None:
 
 
 def add_time_ratio(row: Row, base: Row) -> None:
-    mine, theirs = row.step_time, base.step_time
-    row.step_time_ratio = mine.median / theirs.median
-    row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
-    busy = sorted({r.job for r in (row, base) if r.step_time.busy})
+    """The row's step time against the base's: the one timed beside the row's own baseline in
+    its process where that baseline is the base's config, else the ratio of the two medians."""
+    paired = row.paired_with(base) if row is not base else None
+    if paired is not None:
+        row.step_time_ratio, row.step_time_range = paired["ratio"], tuple(paired["ratio_iqr"])
+        timed_in = (row,)
+    else:
+        mine, theirs = row.step_time, base.step_time
+        row.step_time_ratio = mine.median / theirs.median
+        row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
+        timed_in = (row, base)
+    row.time_paired = None if row is base else paired is not None
+    busy = sorted({r.job for r in timed_in if r.step_time.busy})
     if busy:
         row.time_doubt = f"the machine was busy during {jobs(busy)}"
     elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
@@ -299,7 +317,8 @@ def jobs(names: list[str]) -> str:
 # -- writing -------------------------------------------------------------------------------------
 COLUMNS = ["job", "config", "status", *GROUPS, "peak_mib",
            *[f"{c}_mib" for c in CATEGORY_ORDER], "memory_x_base", "step_time_x_base",
-           "step_time_x_base_low", "step_time_x_base_high", "step_time_doubt",
+           "step_time_x_base_low", "step_time_x_base_high", "step_time_x_base_paired",
+           "step_time_doubt",
            "throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s", "error"]
 
 
@@ -314,6 +333,7 @@ def csv_record(row: Row) -> dict:
               "memory_x_base": row.memory_ratio, "step_time_x_base": row.step_time_ratio,
               "step_time_x_base_low": row.step_time_range and row.step_time_range[0],
               "step_time_x_base_high": row.step_time_range and row.step_time_range[1],
+              "step_time_x_base_paired": row.time_paired,
               "step_time_doubt": row.time_doubt, "error": error_line(error) if error else None}
     for key in ("throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s"):
         record[key] = row.metrics.get(key)
@@ -340,9 +360,11 @@ def time_ratio_cell(row: Row) -> str:
     return f"{row.step_time_ratio:.2f}{'?' if row.time_doubt else ''} ({low:.2f}-{high:.2f})"
 
 
-TIME_LEGEND = ("Step time x base: the median step time, taken with the storage tracker off, over "
-               "the baseline's; in brackets the range their interquartile ranges allow; `?` "
-               "marks an uncertain ratio.")
+TIME_LEGEND = ("Step time x base: the step time, taken with the storage tracker off, against the "
+               "base's: the median step-by-step ratio where the run timed its baseline beside it "
+               "(in brackets their interquartile range), else the ratio of the two runs' medians "
+               "(in brackets the range their interquartile ranges allow); `?` marks an uncertain "
+               "ratio.")
 
 
 def ratio_notes(rows: list[Row]) -> list[str]:
@@ -353,6 +375,14 @@ def ratio_notes(rows: list[Row]) -> list[str]:
              f"{row.stand_in_base}" for row in rows if row.stand_in_base]
     notes += [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
               for row in rows if row.time_doubt]
+    paired = [row.job for row in rows if row.time_paired]
+    apart = [row.job for row in rows if row.time_paired is False]
+    if paired:
+        notes.append(f"- {jobs(paired)}: step time x base timed beside the baseline, their steps "
+                     "alternating in the job's process (timing.paired_steps)")
+    if apart:
+        notes.append(f"- {jobs(apart)}: step time x base divides the medians of two runs, each "
+                     "its own process, so it carries the two processes' speeds as well")
     untimed = [row.job for row in rows if row.ok and row.step_time is None]
     if untimed:
         notes.append(f"- {jobs(untimed)}: no step time x base: every step ran under the storage "

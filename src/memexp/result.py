@@ -259,6 +259,12 @@ def summary(result: dict, run_dir: Path | str) -> str:
     elif metrics and metrics.get("timing") and not metrics["timing"]["timed_steps"]:
         lines.append(f"  throughput   not measured: all {metrics['steps']} steps were warm-up "
                      "(trainer.warmup_steps)")
+    paired = ((metrics or {}).get("timing") or {}).get("paired") or {}
+    if "ratio" in paired:
+        low, high = paired["ratio_iqr"]
+        steps = ", ".join(f"{a}-{b}" if a != b else str(a) for a, b in paired["steps"])
+        lines.append(f"  x baseline   step time {paired['ratio']:.2f}x the baseline's (IQR "
+                     f"{low:.2f}-{high:.2f}), steps {steps} timed beside it in this process")
     if metrics and metrics.get("final_loss") is not None:
         accuracy = metrics["eval_accuracy"]
         lines.append(f"  accuracy     {accuracy:.3f} (eval), final loss {metrics['final_loss']:.4f}"

@@ -11,6 +11,12 @@ Step times on a shared machine move with what else runs on it, so each run recor
 the machine's CPU time that other processes took while its timed steps ran (from /proc/stat),
 and the interquartile range of its step times. The report marks a ratio uncertain when either is
 too large to trust it.
+
+A machine's speed also moves over seconds and differs between processes, so the median step
+times of two runs, each its own process, carry the two processes' speeds as well as the two
+configs'. A run therefore times its baseline beside itself (`timing.paired_steps`,
+memexp.baseline): their steps alternate in one process, and the median of the step-by-step
+ratios (`paired`) is what the report gives as the run's step time against its baseline.
 """
 
 from __future__ import annotations
@@ -88,12 +94,28 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
+def paired_timing(step_times: list[float], timed: list[int], baseline_times: list[list],
+                  unpaired: str | None) -> dict:
+    """The run's time against its baseline's, from the timed steps that ran beside one of the
+    baseline's steps (memexp.trainer.PairedBaseline): the median of the step-by-step ratios and
+    their interquartile range; else why there is none."""
+    timed_set = set(timed)
+    pairs = {step: seconds for step, seconds in baseline_times if step in timed_set}
+    if not pairs:
+        return {"skipped": unpaired or "no timed step ran beside a baseline step"}
+    q1, ratio, q3 = quartiles([step_times[step - 1] / seconds for step, seconds in pairs.items()])
+    return {"steps": step_ranges(sorted(pairs)),
+            "baseline_step_time_s": statistics.median(pairs.values()),
+            "ratio": ratio, "ratio_iqr": [q1, q3]}
+
+
 def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
-                others_share: float | None) -> dict:
+                others_share: float | None, baseline_times: list[list],
+                unpaired: str | None) -> dict:
     """The `timing` part of result.json's metrics: the median step time of the untracked steps
     past warm-up (of the tracked ones where there are none; None where every step was warm-up),
-    its interquartile range, which
-    steps were timed and which measured memory, and how busy the machine was."""
+    its interquartile range, which steps were timed and which measured memory, how busy the
+    machine was, and the time against the run's baseline timed beside it (`paired`)."""
     skip = set(measured)
     steps = list(range(1, len(step_times) + 1))
     untracked = [s for s in steps if s not in skip and s > warmup_steps]
@@ -109,4 +131,5 @@ def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
         "tracked": not untracked,
         "others_cpu_share": others_share,
         "busy": others_share is not None and others_share > BUSY_SHARE,
+        "paired": paired_timing(step_times, timed, baseline_times, unpaired),
     }

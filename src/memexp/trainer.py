@@ -10,17 +10,19 @@ import math
 import random
 import time
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from tqdm import tqdm
 
 from memexp import checkpoint
+from memexp.baseline import BASELINE_GROUPS, baseline_config
 from memexp.data import Batch, Data
 from memexp.data.tensors import map_batch, map_inputs
 from memexp.loss import Outputs, as_loss, call_model, shares
@@ -123,12 +125,14 @@ def memory_budget(memory: DictConfig) -> int | None:
 
 def first_steps(cfg: DictConfig) -> DictConfig:
     """`cfg` cut to its first two steps (step 2 is the first with optimizer state alive) and
-    an evaluation, writing nothing: what estimates and batch-size probes run."""
+    an evaluation, writing nothing and timing no baseline: what estimates and batch-size probes
+    run."""
     short = cfg.copy()
     with open_dict(short):
         short.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
                              progress=False)
         short.memory.update(snapshot=False, measure_steps=None)
+        short.timing.paired_steps = 0
     return short
 
 
@@ -149,11 +153,106 @@ class Metrics:
     # machine other processes took while the others ran (memexp.timing)
     measured_steps: list[int] = field(default_factory=list)
     others_cpu_share: float | None = None
+    # [step, seconds] of the baseline's step beside each paired step (PairedBaseline), and why
+    # the run has none where it has none
+    baseline_step_times: list[list] = field(default_factory=list)
+    unpaired: str | None = None
     eval_accuracy: float | None = None
     # steps the GradScaler skipped (inf/NaN gradients), and steps with a non-finite loss
     skipped_steps: int = 0
     bad_steps: int = 0
     resumed_from: list[int] = field(default_factory=list)
+
+
+def free_cached_memory(device: torch.device) -> None:
+    """Collect what is unreachable and give the device's cached blocks back."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextmanager
+def random_state_kept(device: torch.device) -> Iterator[None]:
+    """What runs inside leaves the process's random state (torch's, the device's, Python's) as
+    it found it."""
+    state = random.getstate()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        yield
+    random.setstate(state)
+
+
+class Unpaired:
+    """No baseline beside the run's steps; `why` says why not."""
+
+    def __init__(self, why: str):
+        self.why = why
+
+    def beside(self, step: int) -> AbstractContextManager:
+        return nullcontext()
+
+
+class PairedBaseline:
+    """The run's baseline (memexp.baseline), built in the run's process once its memory is
+    measured. Each of the run's next `steps` steps runs beside a step of the baseline's, the
+    baseline first on even steps and second on odd ones, so that their times see the same
+    machine at the same moments; the baseline's go to `times` as [step, seconds]. Neither
+    touches the other's random state: the run's losses and weights are those it has alone.
+    A baseline that fails (runs out of memory beside the run) is dropped, and `why` says why."""
+
+    def __init__(self, config: dict, steps: int, times: list[list]):
+        self.steps, self.times, self.why = steps, times, None
+        self.trainer: Trainer | None = None
+        cfg = OmegaConf.create(config)
+        cfg.trainer.update(checkpoint_every=0, resume="never", progress=False, eval_every=0)
+        cfg.memory.update(track=False, budget=None, snapshot=False, measure_steps=None)
+        self._run(lambda: self._build(cfg))
+
+    def _build(self, cfg: DictConfig) -> None:
+        # Trainer() seeds torch: the run's own random state is put back afterwards.
+        with random_state_kept(pick_device(cfg.trainer.device)):
+            self.trainer = Trainer(cfg)
+            self.batches = self.trainer.data.train_batches()
+            self.trainer.model.train()
+            # Its first steps allocate what later ones reuse, as the run's did: not timed.
+            for _ in range(max(cfg.trainer.warmup_steps, 2)):
+                self.trainer.train_step(self.batches)
+
+    @contextmanager
+    def beside(self, step: int) -> Iterator[None]:
+        """The baseline's step before or after the block, by turns."""
+        first = step % 2 == 0
+        if first:
+            self._run(lambda: self._step(step))
+        yield
+        if not first:
+            self._run(lambda: self._step(step))
+
+    def _step(self, step: int) -> None:
+        if self.trainer is None:
+            return
+        with random_state_kept(self.trainer.device):
+            started = time.perf_counter()
+            self.trainer.train_step(self.batches)
+            self.times.append([step, time.perf_counter() - started])
+        self.steps -= 1
+        if self.steps == 0:
+            self._drop()
+
+    def _run(self, work) -> None:
+        try:
+            work()
+        except Exception as error:  # the run's own measurements stand; the pairing does not
+            what = "ran out of memory" if is_out_of_memory(error) else "failed"
+            first_line = (str(error).strip().splitlines() or [""])[0]
+            self.why = f"the baseline {what} beside the run: {type(error).__name__}: {first_line}"
+            log.warning("timing: %s; the step time ratio is left to the report", self.why)
+        if self.why is not None and self.trainer is not None:
+            self._drop()  # outside the except block: the error's frames no longer hold tensors
+
+    def _drop(self) -> None:
+        device = self.trainer.device
+        self.trainer = self.batches = None
+        free_cached_memory(device)
 
 
 class Trainer:
@@ -309,12 +408,15 @@ class Trainer:
         out_of_memory, load, evaluated = None, MachineLoad(), False
         try:
             with self.meter, bar:
+                # The baseline beside the timed steps, once memory is measured (memexp.baseline).
+                pairing = self.pair_with_baseline(max_steps - start)
                 load.start()
                 for step in range(start + 1, max_steps + 1):
                     measured = self.meter.tracking
-                    started = time.perf_counter()
-                    loss = self.train_step(batches)
-                    metrics.step_times.append(time.perf_counter() - started)
+                    with pairing.beside(step):
+                        started = time.perf_counter()
+                        loss = self.train_step(batches)
+                        metrics.step_times.append(time.perf_counter() - started)
                     metrics.measured_steps += [step] if measured else []
                     metrics.losses.append(loss)
                     if metrics.bad_steps >= max_bad_steps:
@@ -336,7 +438,9 @@ class Trainer:
                         self.save_checkpoint(step)
                     if measured and not last and step - start == self.meter.measure_steps:
                         self.stop_measuring(evaluated)
+                        pairing = self.pair_with_baseline(max_steps - step)
                         load.start()  # what the timed steps shared the machine with
+            metrics.unpaired = pairing.why
             metrics.others_cpu_share = load.others_share(sum(self.parallel.gather(load.own_cpu())))
         except Exception as error:
             if not is_out_of_memory(error):
@@ -348,7 +452,7 @@ class Trainer:
         if out_of_memory is not None:
             del batches  # the data stream too: a raised error keeps this frame's locals alive
             self.optimizer.zero_grad(set_to_none=True)
-            self.free_cached_memory()
+            free_cached_memory(self.device)
             raise out_of_memory
         return metrics
 
@@ -362,6 +466,32 @@ class Trainer:
             self.evaluate(batches=2)
             self.release_cached_memory("eval")
         self.meter.pause()
+
+    def pair_with_baseline(self, steps_left: int) -> PairedBaseline | Unpaired:
+        """The run's baseline beside its next timing.paired_steps steps (of `steps_left`), or why
+        there is none."""
+        paired_steps = self.cfg.timing.paired_steps
+        # a resumed run may have paired steps already
+        steps = min(paired_steps - len(self.metrics.baseline_step_times), steps_left)
+        config = baseline_config(OmegaConf.to_container(self.cfg, resolve=True,
+                                                        enum_to_str=True))
+        if config is None:
+            return Unpaired("the run is its own baseline")
+        if steps <= 0:
+            return Unpaired(f"timing.paired_steps={paired_steps}")
+        if self.parallel.world_size > 1:
+            return Unpaired("a run of several ranks: its baseline would need ranks of its own")
+        if self.meter.tracking:  # until memory is measured, if it ever is (fit() asks again)
+            return Unpaired("every step of the run measured memory (memory.measure_steps, "
+                            "memory.budget, memory.snapshot), and a baseline beside the run "
+                            "would count in it")
+        if self.meter.measuring:
+            return Unpaired("CUDA's counters measure every step of the run, and a baseline "
+                            "beside it would count in them")
+        log.info("timing: %d steps run beside the run's baseline (%s at their baseline options, "
+                 "data.batch_size=%s, optim.accumulate=1), built in this process",
+                 steps, ", ".join(BASELINE_GROUPS), config["data"]["batch_size"])
+        return PairedBaseline(config, steps, self.metrics.baseline_step_times)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -402,15 +532,10 @@ class Trainer:
         return state["step"]
 
     # -- memory --------------------------------------------------------------------------------
-    def free_cached_memory(self) -> None:
-        gc.collect()
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
-
     def release_cached_memory(self, point: str) -> None:
         """memory.empty_cache: give cached blocks back at this point (source tips 10 and 13)."""
         if self.empty_cache_at == point:
-            self.free_cached_memory()
+            free_cached_memory(self.device)
 
     # -- reporting -----------------------------------------------------------------------------
     def step_metrics(self) -> dict[str, float | None]:
@@ -426,8 +551,9 @@ class Trainer:
         """The `metrics` section of result.json (also of a run that stopped early)."""
         metrics = self.metrics
         timing = step_timing(metrics.step_times, metrics.measured_steps,
-                             self.cfg.trainer.warmup_steps,
-                             metrics.others_cpu_share) if metrics.step_times else None
+                             self.cfg.trainer.warmup_steps, metrics.others_cpu_share,
+                             metrics.baseline_step_times,
+                             metrics.unpaired) if metrics.step_times else None
         step_time = timing["step_time_s"] if timing else None
         items = (self.data.batch_size * self.optim.accumulate * self.parallel.world_size
                  * self.data.items_per_sample)

@@ -1,0 +1,53 @@
+"""A run's baseline: its workload with no memory technique, what its ratios are taken against.
+
+The baseline option of precision, checkpointing and bn_mode is the class its group marks
+`baseline` (FP32, NoCheckpointing, TrainBN); accumulating k micro-batches of b samples is the
+workload of one batch of k * b. The sweep report compares each run with its workload's baseline
+run, and a run times its own baseline beside it (memexp.trainer.PairedBaseline), so that their
+time ratio sees the same machine at the same moments.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hydra.utils import get_class
+
+from memexp.checkpoint import fingerprint
+from memexp.config import GROUP_TARGETS, target_path
+
+BASELINE_GROUPS = ("precision", "checkpointing", "bn_mode")
+
+# What a run's baseline may leave different from the sweep's baseline run and still take the
+# same steps: how memory is measured, how the steps are timed, and the evaluation.
+NOT_THE_STEP = ("memory.", "timing.", "data.eval_batch_size", "trainer.eval_every",
+                "trainer.warmup_steps")
+
+
+def is_baseline(config: dict) -> bool:
+    """A run whose precision, checkpointing and bn_mode are each their group's baseline."""
+    return all(get_class(config[group]["_target_"]).baseline for group in BASELINE_GROUPS)
+
+
+def baseline_config(config: dict) -> dict | None:
+    """`config` (resolved) with precision, checkpointing and bn_mode at their baseline options and
+    its micro-batches as one batch; None where that is `config` itself."""
+    accumulate = config["optim"]["accumulate"]
+    if is_baseline(config) and accumulate == 1:
+        return None
+    base = copy.deepcopy(config)
+    for group in BASELINE_GROUPS:
+        base[group] = {"_target_": target_path(next(t for t in GROUP_TARGETS[group]
+                                                     if t.baseline))}
+    base["data"]["batch_size"] *= accumulate
+    base["optim"]["accumulate"] = 1
+    return base
+
+
+def same_steps(a: dict, b: dict) -> bool:
+    """Whether two resolved configs train with the same steps (NOT_THE_STEP aside)."""
+    def steps(config: dict) -> dict:
+        return {key: value for key, value in fingerprint(config).items()
+                if not key.startswith(NOT_THE_STEP)}
+
+    return steps(a) == steps(b)
