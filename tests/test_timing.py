@@ -73,6 +73,17 @@ def test_the_paired_ratio_is_the_median_of_the_step_by_step_ratios_over_timed_st
                       "ratio_iqr": [1.5, 2.25]}
 
 
+def test_the_step_time_is_of_the_steps_that_ran_alone_where_any_did():
+    times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5, 1.0]
+    beside = [[4, 2.0], [5, 2.0], [6, 2.0]]  # two models taking turns: slower steps
+    timing = step_timing(times, [1, 2], 3, None, beside, None)
+    assert timing["timed_steps"] == [[7, 8]] and timing["step_time_s"] == 1.25
+    assert timing["beside_baseline"] is False and timing["paired"]["steps"] == [[4, 6]]
+    # no step ran alone: the steps beside the baseline's, and the record says so
+    timing = step_timing(times[:6], [1, 2], 3, None, beside, None)
+    assert timing["timed_steps"] == [[4, 6]] and timing["beside_baseline"] is True
+
+
 @pytest.mark.parametrize("overrides", [
     ("model=transformer", "model.dropout=0.2", "model.n_layers=2", "model.d_model=32",
      "data.batch_size=4", "data.seq_len=16", "data.num_train=128", "data.num_eval=8",
@@ -92,6 +103,8 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
     timing = paired.summary_metrics()["timing"]
     assert [step for step, _ in metrics.baseline_step_times] == [4, 5, 6, 7, 8, 9]
     assert timing["paired"]["steps"] == [[4, 9]] and timing["paired"]["ratio"] > 0
+    # its own step time is of the steps after the pairs, which ran alone
+    assert timing["timed_steps"] == [[10, 12]] and timing["beside_baseline"] is False
     assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
 
 
@@ -151,10 +164,11 @@ def test_the_peak_is_classified_as_it_was_at_the_peak():
 # -- the report ----------------------------------------------------------------------------------
 def result(overrides: list[str], step: float, spread: float = 0.01, peak: int | None = 100,
            tracked_time: bool = False, busy: bool = False, batch: int = 64,
-           accumulate: int = 1, paired: float | None = None, **techniques) -> dict:
+           accumulate: int = 1, paired: float | None = None, beside: bool = False,
+           **techniques) -> dict:
     chosen = chosen_techniques(**techniques)
     timing = {"step_time_s": step, "step_time_iqr_s": [step - spread, step + spread],
-              "tracked": tracked_time, "busy": busy,
+              "tracked": tracked_time, "busy": busy, "beside_baseline": beside,
               "paired": {"skipped": "timing.paired_steps=0"} if paired is None else
               {"ratio": paired, "ratio_iqr": [paired - 0.02, paired + 0.02]}}
     return {"status": "ok", "overrides": overrides, "techniques": chosen,
@@ -222,3 +236,11 @@ def test_a_ratio_timed_beside_the_baseline_is_the_reports_where_that_baseline_is
     busy_base = rows_of(result(["checkpointing=none"], 1.0, busy=True),
                         result(["checkpointing=full"], 1.6, paired=1.3, checkpointing="full"))
     assert busy_base[1].time_doubt is None
+    # a median of steps that all took turns with a baseline's is slower than the step alone:
+    # a ratio of medians from it is uncertain, and names no fastest config
+    beside = rows_of(result(["optim=sgd"], 1.0),
+                     result(["optim=adamw", "checkpointing=full"], 1.5, paired=1.2,
+                            beside=True, checkpointing="full", optim="adamw"))
+    assert beside[1].time_doubt == ("job 1 timed no step alone, only beside their baseline's, "
+                                    "which slows a step")
+    assert pick(beside, 200 * MIB).fastest is None

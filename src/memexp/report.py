@@ -110,7 +110,8 @@ class Row:
             return None if self.memory.get("tracked") else StepTime(median, median, median)
         if timing["tracked"]:
             return None
-        return StepTime(timing["step_time_s"], *timing["step_time_iqr_s"], busy=timing["busy"])
+        return StepTime(timing["step_time_s"], *timing["step_time_iqr_s"], busy=timing["busy"],
+                        beside=timing.get("beside_baseline", False))
 
     def paired_with(self, base: Row) -> dict | None:
         """The run's time against its baseline, timed beside it (memexp.timing), where that
@@ -128,6 +129,8 @@ class StepTime:
     q1: float
     q3: float
     busy: bool = False  # other processes took more than memexp.timing.BUSY_SHARE of the machine
+    # every timed step ran beside the run's baseline, which slows a step (memexp.timing)
+    beside: bool = False
 
 
 def job_folders(sweep_dir: Path) -> list[Path]:
@@ -231,8 +234,12 @@ def add_time_ratio(row: Row, base: Row) -> None:
         timed_in = (row, base)
     row.time_paired = None if row is base else paired is not None
     busy = sorted({r.job for r in timed_in if r.step_time.busy})
+    beside = sorted({r.job for r in timed_in if r.step_time.beside} if paired is None else ())
     if busy:
         row.time_doubt = f"the machine was busy during {jobs(busy)}"
+    elif beside:
+        row.time_doubt = (f"{jobs(beside)} timed no step alone, only beside their baseline's, "
+                          "which slows a step")
     elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
         row.time_doubt = "its spread overlaps 1.0"
 
@@ -300,6 +307,9 @@ def fastest(fitting: list[Row], rows: list[Row]) -> tuple[Row | None, str | None
     busy = [row.job for row in ranked if row.step_time.busy]
     if others and busy:  # a busy job may be faster than it looked
         return None, f"the machine was busy during {jobs(busy)}"
+    beside = [row.job for row in ranked if row.step_time.beside]
+    if others and beside:  # so may a job whose steps took turns with its baseline's
+        return None, f"{jobs(beside)} timed no step alone, only beside their baseline's"
     close = [row.job for row in others
              if speed_range(first, rows)[0] <= speed_range(row, rows)[2]]
     if close:

@@ -218,7 +218,8 @@ def timed(metrics: dict) -> str:
     q1, q3 = (t * 1000 for t in timing["step_time_iqr_s"])
     how = "under the storage tracker" if timing["tracked"] else "tracker off"
     busy = ", machine busy" if timing["busy"] else ""
-    return f" ({how}, IQR {q1:.1f}-{q3:.1f} ms{busy})"
+    beside = ", beside the baseline's steps" if timing.get("beside_baseline") else ""
+    return f" ({how}, IQR {q1:.1f}-{q3:.1f} ms{beside}{busy})"
 
 
 def summary(result: dict, run_dir: Path | str) -> str:

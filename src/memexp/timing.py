@@ -16,7 +16,9 @@ A machine's speed also moves over seconds and differs between processes, so the 
 times of two runs, each its own process, carry the two processes' speeds as well as the two
 configs'. A run therefore times its baseline beside itself (`timing.paired_steps`,
 memexp.baseline): their steps alternate in one process, and the median of the step-by-step
-ratios (`paired`) is what the report gives as the run's step time against its baseline.
+ratios (`paired`) is what the report gives as the run's step time against its baseline. Two
+models taking turns slow each other's steps, so the run's own step time (and throughput) comes
+from the timed steps after the pairs, which run alone.
 """
 
 from __future__ import annotations
@@ -94,13 +96,13 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
     return q1, median, q3
 
 
-def paired_timing(step_times: list[float], timed: list[int], baseline_times: list[list],
+def paired_timing(step_times: list[float], untracked: list[int], baseline_times: list[list],
                   unpaired: str | None) -> dict:
-    """The run's time against its baseline's, from the timed steps that ran beside one of the
-    baseline's steps (memexp.trainer.PairedBaseline): the median of the step-by-step ratios and
-    their interquartile range; else why there is none."""
-    timed_set = set(timed)
-    pairs = {step: seconds for step, seconds in baseline_times if step in timed_set}
+    """The run's time against its baseline's, from the untracked steps past warm-up that ran
+    beside one of the baseline's steps (memexp.trainer.PairedBaseline): the median of the
+    step-by-step ratios and their interquartile range; else why there is none."""
+    candidates = set(untracked)
+    pairs = {step: seconds for step, seconds in baseline_times if step in candidates}
     if not pairs:
         return {"skipped": unpaired or "no timed step ran beside a baseline step"}
     q1, ratio, q3 = quartiles([step_times[step - 1] / seconds for step, seconds in pairs.items()])
@@ -113,14 +115,18 @@ def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
                 others_share: float | None, baseline_times: list[list],
                 unpaired: str | None) -> dict:
     """The `timing` part of result.json's metrics: the median step time of the untracked steps
-    past warm-up (of the tracked ones where there are none; None where every step was warm-up),
-    its interquartile range, which steps were timed and which measured memory, how busy the
-    machine was, and the time against the run's baseline timed beside it (`paired`)."""
-    skip = set(measured)
+    past warm-up that ran alone (of those beside the baseline's where none did; of the tracked
+    ones where none is untracked; None where every step was warm-up), its interquartile range,
+    which steps were timed and which measured memory, how busy the machine was, and the time
+    against the run's baseline timed beside it (`paired`)."""
+    skip, beside = set(measured), {step for step, _ in baseline_times}
     steps = list(range(1, len(step_times) + 1))
     untracked = [s for s in steps if s not in skip and s > warmup_steps]
+    # A step beside the baseline's is slower in itself (the two models take turns in the
+    # caches): the step time is that of the untracked steps that ran alone, where there are any.
+    alone = [s for s in untracked if s not in beside]
     # Warm-up steps are never timed: a run of warm-up only has no step time, not a wrong one.
-    timed = untracked or [s for s in steps if s > warmup_steps]
+    timed = alone or untracked or [s for s in steps if s > warmup_steps]
     q1, median, q3 = quartiles([step_times[s - 1] for s in timed]) if timed else (None,) * 3
     return {
         "step_time_s": median,
@@ -131,5 +137,7 @@ def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
         "tracked": not untracked,
         "others_cpu_share": others_share,
         "busy": others_share is not None and others_share > BUSY_SHARE,
-        "paired": paired_timing(step_times, timed, baseline_times, unpaired),
+        # no untracked step ran alone: the step time is of steps beside the baseline's
+        "beside_baseline": any(s in beside for s in timed),
+        "paired": paired_timing(step_times, untracked, baseline_times, unpaired),
     }
