@@ -73,15 +73,21 @@ def test_the_paired_ratio_is_the_median_of_the_step_by_step_ratios_over_timed_st
                       "ratio_iqr": [1.5, 2.25]}
 
 
-def test_the_step_time_is_of_the_steps_that_ran_alone_where_any_did():
-    times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5, 1.0]
+def test_the_step_time_is_of_the_steps_that_ran_alone_where_enough_did():
+    times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5, 1.0, 1.0, 1.5, 1.0]
     beside = [[4, 2.0], [5, 2.0], [6, 2.0]]  # two models taking turns: slower steps
     timing = step_timing(times, [1, 2], 3, None, beside, None)
-    assert timing["timed_steps"] == [[7, 8]] and timing["step_time_s"] == 1.25
+    assert timing["timed_steps"] == [[7, 11]] and timing["step_time_s"] == 1.0
     assert timing["beside_baseline"] is False and timing["paired"]["steps"] == [[4, 6]]
-    # no step ran alone: the steps beside the baseline's, and the record says so
+    # fewer than ALONE_STEPS alone: every untracked step, and the record says so
+    timing = step_timing(times[:8], [1, 2], 3, None, beside, None)
+    assert timing["timed_steps"] == [[4, 8]] and timing["beside_baseline"] is True
+    # no step ran alone
     timing = step_timing(times[:6], [1, 2], 3, None, beside, None)
     assert timing["timed_steps"] == [[4, 6]] and timing["beside_baseline"] is True
+    # a baseline that failed after its first pairs: the partial ratio says why it stopped
+    stopped = step_timing(times, [1, 2], 3, None, beside, "the baseline failed")["paired"]
+    assert stopped["steps"] == [[4, 6]] and stopped["stopped"] == "the baseline failed"
 
 
 @pytest.mark.parametrize("overrides", [
@@ -91,9 +97,9 @@ def test_the_step_time_is_of_the_steps_that_ran_alone_where_any_did():
     (*MLP, "optim.accumulate=4", "data.batch_size=4"),
 ], ids=["transformer dropout checkpointing", "mlp accumulate"])
 def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrides):
-    alone, _ = train(*overrides, "memory.measure_steps=3", "timing.paired_steps=0", steps=12)
+    alone, _ = train(*overrides, "memory.measure_steps=3", "timing.paired_steps=0", steps=14)
     paired, metrics = train(*overrides, "memory.measure_steps=3", "timing.paired_steps=6",
-                            steps=12)
+                            steps=14)
     # the same losses and weights, to the bit: the baseline beside it took none of its random
     # numbers (dropout), data or state
     assert metrics.losses == alone.metrics.losses
@@ -104,7 +110,7 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
     assert [step for step, _ in metrics.baseline_step_times] == [4, 5, 6, 7, 8, 9]
     assert timing["paired"]["steps"] == [[4, 9]] and timing["paired"]["ratio"] > 0
     # its own step time is of the steps after the pairs, which ran alone
-    assert timing["timed_steps"] == [[10, 12]] and timing["beside_baseline"] is False
+    assert timing["timed_steps"] == [[10, 14]] and timing["beside_baseline"] is False
     assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
 
 
@@ -244,3 +250,14 @@ def test_a_ratio_timed_beside_the_baseline_is_the_reports_where_that_baseline_is
     assert beside[1].time_doubt == ("job 1 timed no step alone, only beside their baseline's, "
                                     "which slows a step")
     assert pick(beside, 200 * MIB).fastest is None
+
+
+def test_the_fastest_config_is_picked_on_the_ratio_timed_beside_the_baseline():
+    """A run's own median (here 1.6 s, from its process) would make the base the faster; the
+    ratio timed beside the base's config says it is 0.8x the base's time. Steps that all ran
+    beside the baseline do not stop the pick where that ratio is the one used."""
+    rows = rows_of(result(["checkpointing=none"], 1.0),
+                   result(["checkpointing=full"], 1.6, paired=0.8, beside=True,
+                          checkpointing="full"))
+    choice = pick(rows, 200 * MIB)
+    assert choice.fastest is rows[1] and choice.fastest_doubt is None

@@ -71,6 +71,8 @@ class Row:
     # True: the ratio was timed beside its baseline in the run's process; False: it divides the
     # medians of two runs; None: the row is the base, or has no ratio
     time_paired: bool | None = None
+    # the row its time ratio is against
+    time_base: Row | None = field(default=None, repr=False, compare=False)
     # why it is the base of its workload's ratios without the baseline options, if it is
     stand_in_base: str | None = None
 
@@ -232,7 +234,7 @@ def add_time_ratio(row: Row, base: Row) -> None:
         row.step_time_ratio = mine.median / theirs.median
         row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
         timed_in = (row, base)
-    row.time_paired = None if row is base else paired is not None
+    row.time_paired, row.time_base = None if row is base else paired is not None, base
     busy = sorted({r.job for r in timed_in if r.step_time.busy})
     beside = sorted({r.job for r in timed_in if r.step_time.beside} if paired is None else ())
     if busy:
@@ -267,11 +269,15 @@ class BudgetPick:
 
 def speed_range(row: Row, rows: list[Row]) -> tuple[float, float, float] | None:
     """(low, median, high) speed of an untracked step: throughput where the sweep has one
-    unit, otherwise speed against the row's baseline; None without an untracked step time."""
+    unit (for a ratio timed beside the baseline, the base's over that ratio), otherwise speed
+    against the row's baseline; None without an untracked step time."""
     time = row.step_time
     units = {r.metrics.get("throughput_unit") for r in rows if r.ok}
     if time is None:
         return None
+    if len(units) == 1 and row.time_paired:  # the base's speed over the ratio timed beside it
+        base, (low, high) = row.time_base.metrics["throughput"], row.step_time_range
+        return base / high, base / row.step_time_ratio, base / low
     if len(units) == 1:
         items = row.metrics["throughput"] * time.median  # per step
         return items / time.q3, items / time.median, items / time.q1
@@ -307,7 +313,7 @@ def fastest(fitting: list[Row], rows: list[Row]) -> tuple[Row | None, str | None
     busy = [row.job for row in ranked if row.step_time.busy]
     if others and busy:  # a busy job may be faster than it looked
         return None, f"the machine was busy during {jobs(busy)}"
-    beside = [row.job for row in ranked if row.step_time.beside]
+    beside = [row.job for row in ranked if row.step_time.beside and not row.time_paired]
     if others and beside:  # so may a job whose steps took turns with its baseline's
         return None, f"{jobs(beside)} timed no step alone, only beside their baseline's"
     close = [row.job for row in others

@@ -30,6 +30,8 @@ from dataclasses import dataclass
 # A run whose timed steps shared the machine with other processes taking more than this share of
 # its CPU time (all cores together) is marked busy: its step time may be theirs as much as its own.
 BUSY_SHARE = 0.10
+# The fewest steps that ran alone (after the pairs with the baseline) that give the run's step time.
+ALONE_STEPS = 5
 
 
 def machine_cpu_ticks() -> tuple[int, int] | None:
@@ -106,9 +108,10 @@ def paired_timing(step_times: list[float], untracked: list[int], baseline_times:
     if not pairs:
         return {"skipped": unpaired or "no timed step ran beside a baseline step"}
     q1, ratio, q3 = quartiles([step_times[step - 1] / seconds for step, seconds in pairs.items()])
-    return {"steps": step_ranges(sorted(pairs)),
-            "baseline_step_time_s": statistics.median(pairs.values()),
-            "ratio": ratio, "ratio_iqr": [q1, q3]}
+    paired = {"steps": step_ranges(sorted(pairs)),
+              "baseline_step_time_s": statistics.median(pairs.values()),
+              "ratio": ratio, "ratio_iqr": [q1, q3]}
+    return paired | ({"stopped": unpaired} if unpaired else {})  # a baseline that failed later
 
 
 def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
@@ -125,6 +128,8 @@ def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
     # A step beside the baseline's is slower in itself (the two models take turns in the
     # caches): the step time is that of the untracked steps that ran alone, where there are any.
     alone = [s for s in untracked if s not in beside]
+    if 0 < len(alone) < min(ALONE_STEPS, len(untracked)):
+        alone = []  # too few to stand for the run: all of the untracked steps, and it says so
     # Warm-up steps are never timed: a run of warm-up only has no step time, not a wrong one.
     timed = alone or untracked or [s for s in steps if s > warmup_steps]
     q1, median, q3 = quartiles([step_times[s - 1] for s in timed]) if timed else (None,) * 3

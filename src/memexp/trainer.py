@@ -176,9 +176,11 @@ def random_state_kept(device: torch.device) -> Iterator[None]:
     """What runs inside leaves the process's random state (torch's, the device's, Python's) as
     it found it."""
     state = random.getstate()
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-        yield
-    random.setstate(state)
+    try:
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            yield
+    finally:
+        random.setstate(state)
 
 
 class Unpaired:
@@ -406,6 +408,7 @@ class Trainer:
         bar = tqdm(total=max_steps, initial=start, disable=None if trainer.progress else True,
                    delay=3, unit="step", leave=False)
         out_of_memory, load, evaluated = None, MachineLoad(), False
+        pairing: PairedBaseline | Unpaired = Unpaired("the run ended before its first step")
         try:
             with self.meter, bar:
                 # The baseline beside the timed steps, once memory is measured (memexp.baseline).
@@ -440,13 +443,16 @@ class Trainer:
                         self.stop_measuring(evaluated)
                         pairing = self.pair_with_baseline(max_steps - step)
                         load.start()  # what the timed steps shared the machine with
-            metrics.unpaired = pairing.why
             metrics.others_cpu_share = load.others_share(sum(self.parallel.gather(load.own_cpu())))
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
             first_line = str(error).strip().splitlines()[0]
             out_of_memory = OutOfMemory(first_line, self.meter.last_phase, step)
+        finally:
+            # Why the run has no paired ratio, or stopped pairing early; and the baseline's
+            # memory goes now, whatever ended the run.
+            metrics.unpaired, pairing = pairing.why, None
         # Outside the except block, as the PyTorch FAQ advises: the error's traceback, and with
         # it the failed step's tensors, are gone, so the memory can really be given back.
         if out_of_memory is not None:
