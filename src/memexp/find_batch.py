@@ -10,7 +10,6 @@ block, and the device counters are reset, so the next probe starts clean.
 
 from __future__ import annotations
 
-import gc
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
@@ -25,6 +24,7 @@ from memexp.trainer import (
     build,
     device_name,
     first_steps,
+    free_cached_memory,
     is_out_of_memory,
     pick_device,
 )
@@ -100,9 +100,8 @@ def probe(cfg: DictConfig, device: torch.device) -> int | None:
         if not is_out_of_memory(error):
             raise
     # Out of the except block the probe's frames and tensors are unreachable: give them back.
-    gc.collect()
+    free_cached_memory(device)
     if device.type == "cuda":
-        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
     return peak
 
