@@ -5,8 +5,10 @@ training, evaluating, recording). Per-job overhead is the sweep's wall time minu
 time, over the number of jobs: starting the job's processes and importing (torch, Hydra),
 Hydra's per-job set-up, noticing the job ended, and the sweep's own start and report, shared
 out. The gap between one job's end and the next one's start is printed too: the per-job part
-alone. The sweep runs --repeats times; the share of the machine other processes took during
-each is printed, and the last sweep's report (the table `make run` ends with).
+alone. Each repeat runs the sweep twice, in turn: with jobs forked from the preloaded server
+(hydra.launcher.preload=true, the default) and with a fresh interpreter per job (false). The
+share of the machine other processes took during each is printed, and the last sweep's report
+(the table `make run` ends with).
 
     python bench/sweep_overhead.py [--repeats 3] [overrides ...]
 
@@ -63,18 +65,20 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", default=[])
     args = parser.parse_args()
     print(describe_machine())
-    print("| run | jobs | sweep wall s | job time s | per-job overhead s | median gap between "
-          "jobs s | others' CPU share |\n|---|---|---|---|---|---|---|")
-    results = []
-    for repeat in range(args.repeats):
+    print("| run | preload | jobs | sweep wall s | job time s | per-job overhead s | median gap "
+          "between jobs s | others' CPU share |\n|---|---|---|---|---|---|---|---|")
+    results = {"true": [], "false": []}
+    for repeat, preload in itertools.product(range(args.repeats), results):
         with tempfile.TemporaryDirectory() as folder:
-            r = sweep(Path(folder), args.overrides)
-        results.append(r)
-        print(f"| {repeat + 1} | {r['jobs']} | {r['wall']:.1f} | {r['job_time']:.1f} | "
-              f"{r['per_job']:.2f} | {r['gap']:.2f} | {r['others']:.0%} |", flush=True)
-    per_job = statistics.median(r["per_job"] for r in results)
-    print(f"\nper-job overhead, median of {args.repeats}: {per_job:.2f} s (target <= 2.0 s)")
-    print(f"\nThe last sweep's report.md:\n\n{results[-1]['report']}")
+            r = sweep(Path(folder), [f"hydra.launcher.preload={preload}", *args.overrides])
+        results[preload].append(r)
+        print(f"| {repeat + 1} | {preload} | {r['jobs']} | {r['wall']:.1f} | {r['job_time']:.1f} "
+              f"| {r['per_job']:.2f} | {r['gap']:.2f} | {r['others']:.0%} |", flush=True)
+    for preload, runs in results.items():
+        per_job = statistics.median(r["per_job"] for r in runs)
+        print(f"\npreload={preload}: per-job overhead, median of {args.repeats}: {per_job:.2f} s "
+              "(target <= 2.0 s)")
+    print(f"\nThe last sweep's report.md:\n\n{results['true'][-1]['report']}")
 
 
 if __name__ == "__main__":

@@ -150,8 +150,9 @@ def test_a_time_out_with_no_requeue_left_replaces_the_requeued_record(tmp_path):
 
 def processes_of(sweep_dir: Path, *, running: str = "") -> list[int]:
     """The processes whose command line names the sweep folder (submitit's controller and the
-    job's tasks: `python -u -m hydra_plugins.memexp_launcher.job ... <sweep_dir>/.submitit/%j`),
-    those running the module `running` only, if given."""
+    job's tasks: `python -u -m hydra_plugins.memexp_launcher.preloaded ...
+    <sweep_dir>/.submitit/%j`, the clients of the jobs forked from the preloaded server), those
+    running the module `running` only, if given."""
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
@@ -221,16 +222,18 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
     """The Hydra path on submitit_local, for real. The job gets submitit's time-out signal twice,
     each time when it cannot race it: while it is still starting, before submitit's handler
     exists (held back until then: issue 12, #15), and while it waits for it at step 4, after a
-    checkpoint at step 3. Each time the launcher requeues it; the last run continues from step
-    3 (and the same wandb run) and repeats an uninterrupted one bitwise."""
+    checkpoint at step 3. The first goes where submitit sends it: to the job's client, while it
+    waits for the preloaded server to fork the job, which holds it back from its first line.
+    Each time the launcher requeues it; the last run continues from step 3 (and the same wandb
+    run) and repeats an uninterrupted one bitwise."""
     sweep_dir, holds = tmp_path / "sweep", tmp_path / "holds"
     overrides = [*CHAOS, "+model.mode=hold", f"+model.hold_dir={holds}", "trainer.max_steps=6",
                  "trainer.checkpoint_every=3", "trainer.progress=false", "logger=wandb",
                  "hydra.launcher.timeout_min=30"]  # no time-out but the two signals sent here
     with chaos_sweep(tmp_path, sweep_dir, overrides) as sweep:
-        job = "hydra_plugins.memexp_launcher.job"
+        client = "hydra_plugins.memexp_launcher.preloaded"
         starting = wait_for("a job holding back its time-out signal", lambda: next(
-            (p for p in processes_of(sweep_dir, running=job) if holds_back_usr2(p)), None),
+            (p for p in processes_of(sweep_dir, running=client) if holds_back_usr2(p)), None),
             sweep)
         signal_while_starting(starting)
         held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)

@@ -21,12 +21,16 @@ handler raises is recorded as status `timeout`, not as a traceback of the code i
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import shlex
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -39,9 +43,13 @@ from omegaconf import OmegaConf, open_dict
 log = logging.getLogger(__name__)
 
 # Keys that are this launcher's own, or submitit's executor-construction arguments.
-NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism"}
+NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism",
+                      "preload"}
 # submitit's <python> for every job: the job module holds the time-out signal back first.
 JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
+# The same job, forked from a server that has imported torch and memexp (see preloaded).
+PRELOADED_JOB_PYTHON = (f"{shlex.quote(sys.executable)} -u -m "
+                        "hydra_plugins.memexp_launcher.preloaded")
 
 
 class _SurvivingLauncher(BaseSubmititLauncher):
@@ -178,12 +186,18 @@ def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
 class LocalLauncher(_SurvivingLauncher):
     _EXECUTOR = "local"
 
+    def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
+        if not self.params["preload"]:
+            return super().launch(job_overrides, initial_job_idx)
+        with preloaded_server():
+            return super().launch(job_overrides, initial_job_idx)
+
     def _executor(self, submitit):
         # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a
         # minute for timeout_min, and signal_delay_s.
-        executor = submitit.LocalExecutor(folder=self.params["submitit_folder"],
-                                          max_num_timeout=self.params["max_num_timeout"],
-                                          python=JOB_PYTHON)
+        executor = submitit.LocalExecutor(
+            folder=self.params["submitit_folder"], max_num_timeout=self.params["max_num_timeout"],
+            python=PRELOADED_JOB_PYTHON if self.params["preload"] else JOB_PYTHON)
         parameters = self._job_parameters()
         # submitit_local hides every GPU (CUDA_VISIBLE_DEVICES="") unless gpus_per_node is set,
         # and trainer.device=auto would then quietly train on CPU. Give each job one GPU where
@@ -201,6 +215,32 @@ class LocalLauncher(_SurvivingLauncher):
         # second costs half a second per job on average.
         while not job.done():
             time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def preloaded_server() -> Iterator[None]:
+    """The sweep's preloaded server (see preloaded), for the jobs submitted meanwhile: they
+    find it through the environment they inherit. It ends with the sweep: its stdin closes."""
+    from hydra_plugins.memexp_launcher import preloaded
+
+    with tempfile.TemporaryDirectory(prefix="memexp-") as folder:  # only this user's
+        path = str(Path(folder) / "preloaded.socket")
+        os.environ[preloaded.SOCKET_VARIABLE] = path
+        # os.environ, as submitit gives its jobs: what C code set since (torch's import sets
+        # COLUMNS and LINES without a terminal) is not in it
+        server = subprocess.Popen([sys.executable, "-u", "-m", preloaded.__name__, "--serve",
+                                   path], stdin=subprocess.PIPE, env=dict(os.environ))
+        try:
+            yield
+        finally:
+            del os.environ[preloaded.SOCKET_VARIABLE]
+            server.stdin.close()
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                log.error("the preloaded server did not end with the sweep; killed")
+                server.kill()
+                server.wait()
 
 
 def signal_delay(timeout_min: int) -> int:

@@ -1,0 +1,86 @@
+"""Local sweep jobs forked from the preloaded server (hydra_plugins.memexp_launcher.preloaded),
+through submitit's real local executor: each job is a process of its own, forked from a server
+that imported torch once; a job whose client dies dies too; a job whose environment differs
+from the server's starts a fresh interpreter. Sweeps, time-outs and killed jobs on this path
+are tested in test_sweep.py and test_reliability.py (it is the local launcher's default)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import submitit
+
+from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON, preloaded_server
+
+pytestmark = pytest.mark.slow
+
+
+def where_it_runs() -> dict:
+    """Run as a job: what its process is, and what it found loaded."""
+    parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
+    return {"pid": os.getpid(), "parent": [a.decode() for a in parent if a],
+            "torch_loaded": "torch" in sys.modules, "threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def wait_forever(pid_file: str) -> None:
+    Path(pid_file).write_text(str(os.getpid()))
+    time.sleep(3600)
+
+
+@pytest.fixture
+def executor(tmp_path, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # this module, in the jobs
+    monkeypatch.chdir(tmp_path)
+    local = submitit.LocalExecutor(folder=tmp_path / "submitit", python=PRELOADED_JOB_PYTHON)
+    local.update_parameters(timeout_min=10)
+    return local
+
+
+def test_a_job_is_forked_from_the_preloaded_server(executor):
+    with preloaded_server():
+        first, second = (executor.submit(where_it_runs).result() for _ in range(2))
+    for job in (first, second):
+        assert "--serve" in job["parent"] and job["torch_loaded"]
+    assert first["pid"] != second["pid"]  # a process per job
+    assert first["parent"] == second["parent"]  # from the same server
+
+
+def test_an_environment_the_server_did_not_import_with_starts_a_fresh_interpreter(
+        executor, monkeypatch):
+    with preloaded_server():
+        monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by OpenMP when torch was imported
+        job = executor.submit(where_it_runs)
+        ran = job.result()
+    assert "--serve" not in ran["parent"] and ran["threads"] == "2"
+    assert ("starts a fresh interpreter: its environment differs from the preloaded server's "
+            "in OMP_NUM_THREADS") in job.stderr()
+
+
+def test_a_job_whose_client_is_killed_is_killed_too(executor, tmp_path):
+    pid_file = tmp_path / "job.pid"
+    with preloaded_server():
+        job = executor.submit(wait_forever, str(pid_file))
+        deadline = time.monotonic() + 300
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        forked = int(pid_file.read_text())
+        client = next(int(p.name) for p in Path("/proc").glob("[0-9]*")
+                      if b"hydra_plugins.memexp_launcher.preloaded" in read_cmdline(p)
+                      and str(executor.folder).encode() in read_cmdline(p))
+        os.kill(client, signal.SIGKILL)  # what submitit's controller does at the time limit
+        while Path(f"/proc/{forked}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{forked}").exists(), "the job outlived its client"
+        job.cancel()
+
+
+def read_cmdline(proc: Path) -> bytes:
+    try:
+        return (proc / "cmdline").read_bytes()
+    except OSError:  # it ended meanwhile
+        return b""
