@@ -28,6 +28,7 @@ never copies a lock another thread holds.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -186,17 +187,20 @@ def serve(path: str) -> None:
                 break
             conn = clients.pop(pid)
             orphans.discard(pid)
-            try:
+            with contextlib.suppress(OSError):  # its client may be gone already
                 conn.send(json.dumps({"status": status}).encode())
-            except OSError:
-                pass  # its client is gone already
             conn.close()
         if taking and listener in readable:
             conn, _ = listener.accept()
-            message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 3)
-            request = json.loads(message)
+            try:
+                message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 3)
+                request = json.loads(message)
+            except (OSError, ValueError):  # a client that died before it asked
+                conn.close()
+                continue
             if why := refusal(request, own_env):
-                conn.send(json.dumps({"refused": why}).encode())
+                with contextlib.suppress(OSError):
+                    conn.send(json.dumps({"refused": why}).encode())
                 conn.close()
                 for fd in fds:
                     os.close(fd)
@@ -214,7 +218,11 @@ def serve(path: str) -> None:
             for fd in fds:
                 os.close(fd)
             clients[pid] = conn
-            conn.send(json.dumps({"pid": pid}).encode())
+            try:
+                conn.send(json.dumps({"pid": pid}).encode())
+            except OSError:  # its client died meanwhile
+                os.kill(pid, signal.SIGKILL)
+                orphans.add(pid)
     os._exit(0)  # without the interpreter's finalization, seconds with torch loaded
 
 
