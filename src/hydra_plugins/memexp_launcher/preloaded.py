@@ -22,8 +22,9 @@ read when it was imported would be wrong for the job.
 
 The server: `python -u -m hydra_plugins.memexp_launcher.preloaded --serve SOCKET`, its stdin a
 pipe from the launcher. It stops taking jobs when that pipe closes (the sweep ended, or its
-process died), and exits once its running jobs have ended. It is one thread, so that a fork
-never copies a lock another thread holds.
+process died), and exits once its running jobs have ended. Its loop runs in one thread, and no
+other Python thread runs there, so a fork never copies a lock one of them holds (torch's import
+leaves one idle native thread; a fork copies only the thread that forks).
 """
 
 from __future__ import annotations
@@ -45,9 +46,12 @@ MESSAGE_BYTES = 1 << 20
 
 
 def fresh_interpreter(argv: list[str], why: str) -> None:
-    """Run the job as a fresh process: replace this one with memexp's job module."""
+    """Run the job as a fresh process: replace this one with memexp's job module. The time-out
+    signal stays blocked across the exec (a pending one with it), as job.py would hold it."""
+    from hydra_plugins.memexp_launcher.job import timeout_signal
+
     print(f"memexp: this job starts a fresh interpreter: {why}", file=sys.stderr, flush=True)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PASSED_ON) - {timeout_signal()})
     os.execv(sys.executable, [sys.executable, "-u", "-m", "hydra_plugins.memexp_launcher.job",
                               *argv])
 
@@ -70,10 +74,16 @@ def client(argv: list[str]) -> None:
     if "refused" in reply:
         fresh_interpreter(argv, reply["refused"])
     job = reply["pid"]
+
+    def pass_on(signum, frame) -> None:
+        with contextlib.suppress(ProcessLookupError):  # it ended; its status is on the way
+            os.kill(job, signum)
+
     for signum in PASSED_ON:
-        signal.signal(signum, lambda signum, frame: os.kill(job, signum))
+        signal.signal(signum, pass_on)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, PASSED_ON)
     ended = server.recv(MESSAGE_BYTES)
+    signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # nothing left to pass them on to
     if not ended:
         os.kill(job, signal.SIGKILL)
         raise SystemExit(f"memexp: the preloaded server went away while job {job} ran; the job "
@@ -81,7 +91,8 @@ def client(argv: list[str]) -> None:
     status = json.loads(ended)["status"]
     if os.WIFSIGNALED(status):
         signum = os.WTERMSIG(status)
-        signal.signal(signum, signal.SIG_DFL)
+        with contextlib.suppress(OSError):  # SIGKILL's action cannot be set, nor needs to be
+            signal.signal(signum, signal.SIG_DFL)
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signum})
         os.kill(os.getpid(), signum)
     raise SystemExit(os.waitstatus_to_exitcode(status))
@@ -128,12 +139,20 @@ def run_job(request: dict, fds: list[int]) -> None:
     except BaseException:  # what a fresh interpreter would print, then exit 1
         sys.excepthook(*sys.exc_info())
     finally:
-        import atexit
+        # What a fresh interpreter does at its end, then the exit, whatever comes meanwhile.
+        signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
+        try:
+            import atexit
+            import threading
 
-        atexit._run_exitfuncs()
-        for stream in (sys.stdout, sys.stderr):
-            stream.flush()
-        os._exit(code)
+            for thread in threading.enumerate():  # one that is not a daemon is waited for
+                if thread is not threading.current_thread() and not thread.daemon:
+                    thread.join()
+            atexit._run_exitfuncs()
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+        finally:
+            os._exit(code)
 
 
 def preload() -> None:
@@ -185,29 +204,39 @@ def serve(path: str) -> None:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if not pid:
                 break
-            conn = clients.pop(pid)
+            conn = clients.pop(pid, None)
             orphans.discard(pid)
+            if conn is None:
+                continue
             with contextlib.suppress(OSError):  # its client may be gone already
                 conn.send(json.dumps({"status": status}).encode())
             conn.close()
         if taking and listener in readable:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except OSError:  # out of file descriptors: the client is refused, and starts fresh
+                continue
+            fds: list[int] = []
             try:
                 message, fds, _, _ = socket.recv_fds(conn, MESSAGE_BYTES, 3)
                 request = json.loads(message)
+                why = refusal(request, own_env)
             except (OSError, ValueError):  # a client that died before it asked
-                conn.close()
-                continue
-            if why := refusal(request, own_env):
+                why = "its request did not come whole"
+            if not why:
+                for stream in (sys.stdout, sys.stderr):
+                    stream.flush()
+                try:
+                    pid = os.fork()
+                except OSError as error:  # out of memory or processes: it starts fresh
+                    why = f"the preloaded server could not fork it ({error})"
+            if why:
                 with contextlib.suppress(OSError):
                     conn.send(json.dumps({"refused": why}).encode())
                 conn.close()
                 for fd in fds:
                     os.close(fd)
                 continue
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
-            pid = os.fork()
             if pid == 0:
                 signal.set_wakeup_fd(-1)
                 for other in (listener, conn, *clients.values()):
