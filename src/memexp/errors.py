@@ -104,16 +104,22 @@ def exit_done() -> NoReturn:
     object of every module one by one: 1.7-2.2 s with torch loaded, paid by every job of a sweep.
     A thread that is not a daemon may still be writing, so where one lives the exit is the
     ordinary one, which waits for it."""
-    import atexit
     import threading
 
     main = threading.main_thread()
     if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         raise SystemExit(0)
+    exit_now(0)
+
+
+def exit_now(code: int) -> NoReturn:
+    """The exit handlers, the standard streams flushed, and the end, without finalization."""
+    import atexit
+
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
 @contextmanager

@@ -74,8 +74,8 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         returns = []
         for first in range(0, len(jobs), max(width, 1)):
             chunk = jobs[first:first + max(width, 1)]
-            arguments = [(overrides, "hydra.sweep.dir", number, f"job_id_for_{number}",
-                          Singleton.get_state(), configs[number]) for overrides, number in chunk]
+            arguments = [(overrides, Singleton.get_state(), configs[number])
+                         for overrides, number in chunk]
             submitted_at = time.monotonic()
             submitted = self._submit(executor, arguments)
             for job, (overrides, number) in zip(submitted, chunk, strict=True):
@@ -101,8 +101,8 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         return (f"{count} job #{number} {' '.join(filter_overrides(overrides))}: "
                 f"{record['status']}, peak {mib(peak)}, {duration(seconds)}")
 
-    def __call__(self, sweep_overrides: list[str], job_dir_key: str, job_num: int, job_id: str,
-                 singleton_state: dict, sweep_config: DictConfig) -> JobReturn:
+    def __call__(self, sweep_overrides: list[str], singleton_state: dict,
+                 sweep_config: DictConfig) -> JobReturn:
         """One task of a submitted job: Hydra's run of `sweep_config`, the job's config as the
         launcher composed it. With hydra.launcher.tasks_per_node=N each task is a rank of the
         run: submitit's TorchDistributedEnvironment exports RANK, WORLD_SIZE, MASTER_ADDR and
@@ -127,7 +127,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             with open_dict(config.hydra.job):
                 config.hydra.job.id = submitit.JobEnvironment().job_id
             return run_job(hydra_context=self.hydra_context, task_function=self.task_function,
-                           config=config, job_dir_key=job_dir_key,
+                           config=config, job_dir_key="hydra.sweep.dir",
                            job_subdir_key="hydra.sweep.subdir")
         except timeout.OutOfRequeues as error:
             # A run that has begun records this itself; one that came before (held back since

@@ -48,12 +48,11 @@ MESSAGE_BYTES = 1 << 20
 def fresh_interpreter(argv: list[str], why: str) -> None:
     """Run the job as a fresh process: replace this one with memexp's job module. The time-out
     signal stays blocked across the exec (a pending one with it), as job.py would hold it."""
-    from hydra_plugins.memexp_launcher.job import timeout_signal
+    from hydra_plugins.memexp_launcher import job
 
     print(f"memexp: this job starts a fresh interpreter: {why}", file=sys.stderr, flush=True)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PASSED_ON) - {timeout_signal()})
-    os.execv(sys.executable, [sys.executable, "-u", "-m", "hydra_plugins.memexp_launcher.job",
-                              *argv])
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PASSED_ON) - {job.timeout_signal()})
+    os.execv(sys.executable, [sys.executable, "-u", "-m", job.__name__, *argv])
 
 
 def client(argv: list[str]) -> None:
@@ -142,15 +141,14 @@ def run_job(request: dict, fds: list[int]) -> None:
         # What a fresh interpreter does at its end, then the exit, whatever comes meanwhile.
         signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
         try:
-            import atexit
             import threading
+
+            from memexp.errors import exit_now
 
             for thread in threading.enumerate():  # one that is not a daemon is waited for
                 if thread is not threading.current_thread() and not thread.daemon:
                     thread.join()
-            atexit._run_exitfuncs()
-            for stream in (sys.stdout, sys.stderr):
-                stream.flush()
+            exit_now(code)
         finally:
             os._exit(code)
 
