@@ -32,6 +32,7 @@ def cpu_info() -> tuple[str, list[str]]:
 
 def describe_machine() -> str:
     model, flags = cpu_info()
+    gpu = f"; GPU: {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
     return (f"machine: {model}, {os.cpu_count()} cores, with {' '.join(flags) or 'none'} "
             f"(of {', '.join(FLAGS)}); torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads")
+            f"{torch.get_num_threads()} threads{gpu}")

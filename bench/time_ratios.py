@@ -15,7 +15,10 @@ Reference and report runs alternate (reference, runs, reference, runs, ...), --r
 share of the machine other processes took during each is printed.
 
     python bench/time_ratios.py [--models transformer resnet] [--steps 60] [--repeats 2]
-                                [--techniques precision=bf16 ...]
+                                [--techniques precision=bf16 ...] [--device cuda]
+
+On CUDA every step still ends in a host sync (train_step reads its loss with .item()), so the
+wall clock times the device's work.
 
 Target: every report ratio within 5% of its reference.
 """
@@ -38,7 +41,7 @@ from memexp.timing import MachineLoad, quartiles
 from memexp.trainer import Trainer
 
 REPO = Path(__file__).resolve().parents[1]
-COMMON = ("trainer.device=cpu", "trainer.progress=false", "logger=none")
+COMMON = ["trainer.device=cpu", "trainer.progress=false", "logger=none"]  # --device sets [0]
 MODELS = {"transformer": ("model=transformer",), "resnet": ("model=resnet",)}
 TECHNIQUES = {
     "optim.accumulate=4 (batch/4)": ("optim.accumulate=4", "data.batch_size={quarter}"),
@@ -102,7 +105,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=40, help="interleaved reference rounds")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--techniques", nargs="+", choices=TECHNIQUES, default=list(TECHNIQUES))
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     args = parser.parse_args()
+    COMMON[0] = f"trainer.device={args.device}"
     techniques = {name: TECHNIQUES[name] for name in args.techniques}
     print(describe_machine())
     print("| model | technique | repeat | report ratio (IQR) | how | reference ratio (round "

@@ -109,15 +109,24 @@ def test_allocator_model_reuses_freed_blocks_and_merges_neighbours():
     assert allocator.reserved_peak == 20 * MIB and allocator.allocated_peak == 16 * MIB
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated():
-    cfg = compose_config(["trainer.device=cuda", "trainer.max_steps=3", "trainer.progress=false"])
+@pytest.mark.parametrize(("model", "cudnn"), [("resnet", False), ("transformer", True),
+                                              ("mlp", True)])
+def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated(model, cudnn):
+    cfg = compose_config([f"model={model}", "trainer.device=cuda", "trainer.max_steps=3",
+                          "trainer.progress=false"])
     # the table's GPU of this device's compute capability (its cuBLAS workspace size)
     key = next(k for k, g in GPUS.items() if g.capability == torch.cuda.get_device_capability())
-    predicted = estimate(cfg, target="cuda", gpu_key=key).memory
-    real = measured(cfg)
-    # the device's counters include the cuBLAS workspaces: compare the allocated total
-    assert predicted["allocated_peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.05)
+    predicted = estimate(cfg, target="cuda", gpu_key=key).memory["allocated_peak_bytes"]
+    # The estimate does not count cuDNN's convolution workspaces (it says so): cuDNN sizes them
+    # at run time. The ResNet is compared with ATen's own convolutions, and is higher with
+    # cuDNN's. The device's counters include cuBLAS's workspaces, as the estimate does.
+    with torch.backends.cudnn.flags(enabled=cudnn):
+        real = measured(cfg)["peak_bytes"]
+    assert predicted == pytest.approx(real, rel=0.05)
+    if not cudnn:
+        assert measured(cfg)["peak_bytes"] > real
 
 
 # -- plan ---------------------------------------------------------------------------------

@@ -121,6 +121,7 @@ def test_snapshot_is_bounded_by_max_entries(tmp_path):
     assert len(read_timeline(tmp_path)) < 50
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_snapshot_is_the_allocator_history_pickle(tmp_path):
     import pickle

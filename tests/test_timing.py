@@ -15,6 +15,7 @@ from test_report import chosen_techniques, config_of, rows_of
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
 from memexp.timing import MachineLoad, step_timing
+from memexp.trainer import free_cached_memory
 
 from conftest import train
 
@@ -112,6 +113,31 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
     # its own step time is of the steps after the pairs, which ran alone
     assert timing["timed_steps"] == [[10, 14]] and timing["beside_baseline"] is False
     assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_cuda_run_times_its_baseline_beside_it_and_its_counters_leave_the_baseline_out():
+    overrides = ("trainer.device=cuda", "model=transformer", "model.n_layers=2",
+                 "data.num_train=512", "checkpointing=full", "memory.measure_steps=3")
+
+    def run(paired_steps: int) -> tuple[dict, list, list, list]:
+        trainer, metrics = train(*overrides, f"timing.paired_steps={paired_steps}", steps=14)
+        phases = trainer.meter.report()["phases"]
+        peaks = {name: phase["peak_bytes"] for name, phase in phases.items()}
+        counted = trainer.meter.live_after_steps
+        del trainer  # its model and optimizer state leave the device before the next run
+        free_cached_memory(torch.device("cuda"))
+        return peaks, counted, metrics.losses, metrics.baseline_step_times
+
+    alone, alone_counted, alone_losses, _ = run(0)
+    paired, counted, losses, beside = run(6)
+    assert losses == alone_losses
+    assert [step for step, _ in beside] == [4, 5, 6, 7, 8, 9]
+    # CUDA's counters stood aside while the baseline ran, and counted steps 10-14 and the
+    # evaluation again: every peak is the run's own
+    assert paired == alone
+    assert len(counted) == 14 - 6 and len(alone_counted) == 14
 
 
 @pytest.mark.parametrize(("overrides", "why"), [

@@ -9,7 +9,7 @@ import logging
 import math
 import random
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -199,20 +199,24 @@ class PairedBaseline:
     baseline first on even steps and second on odd ones, so that their times see the same
     machine at the same moments; the baseline's go to `times` as [step, seconds]. Neither
     touches the other's random state: the run's losses and weights are those it has alone.
-    A baseline that fails (runs out of memory beside the run) is dropped, and `why` says why."""
+    A baseline that fails (runs out of memory beside the run) is dropped, and `why` says why.
+    `gone` is called once the baseline's memory is given back (CUDA's counters count again)."""
 
-    def __init__(self, config: dict, steps: int, times: list[list]):
-        self.steps, self.times, self.why = steps, times, None
+    def __init__(self, config: dict, steps: int, times: list[list], gone: Callable[[], None]):
+        self.steps, self.times, self.why, self.gone = steps, times, None, gone
         self.trainer: Trainer | None = None
+        self.dropped = False
         cfg = OmegaConf.create(config)
+        self.device = pick_device(cfg.trainer.device)
         cfg.trainer.update(checkpoint_every=0, resume="never", progress=False, eval_every=0)
         cfg.memory.update(track=False, budget=None, snapshot=False, measure_steps=None)
         self._run(lambda: self._build(cfg))
 
     def _build(self, cfg: DictConfig) -> None:
         # Trainer() seeds torch: the run's own random state is put back afterwards.
-        with random_state_kept(pick_device(cfg.trainer.device)):
+        with random_state_kept(self.device):
             self.trainer = Trainer(cfg)
+            self.trainer.meter.count_nothing()  # as the run's steps beside it count nothing
             self.batches = self.trainer.data.train_batches()
             self.trainer.model.train()
             # Its first steps allocate what later ones reuse, as the run's did: not timed.
@@ -230,9 +234,9 @@ class PairedBaseline:
             self._run(lambda: self._step(step))
 
     def _step(self, step: int) -> None:
-        if self.trainer is None:
+        if self.dropped:
             return
-        with random_state_kept(self.trainer.device):
+        with random_state_kept(self.device):
             started = time.perf_counter()
             self.trainer.train_step(self.batches)
             self.times.append([step, time.perf_counter() - started])
@@ -248,13 +252,14 @@ class PairedBaseline:
             first_line = (str(error).strip().splitlines() or [""])[0]
             self.why = f"the baseline {what} beside the run: {type(error).__name__}: {first_line}"
             log.warning("timing: %s; the step time ratio is left to the report", self.why)
-        if self.why is not None and self.trainer is not None:
+        if self.why is not None and not self.dropped:
             self._drop()  # outside the except block: the error's frames no longer hold tensors
 
     def _drop(self) -> None:
-        device = self.trainer.device
         self.trainer = self.batches = None
-        free_cached_memory(device)
+        self.dropped = True
+        free_cached_memory(self.device)
+        self.gone()
 
 
 class Trainer:
@@ -439,7 +444,8 @@ class Trainer:
                         logger.log(step, self.step_metrics())
                     if checkpoint_every and (last or step % checkpoint_every == 0):
                         self.save_checkpoint(step)
-                    if measured and not last and step - start == self.meter.measure_steps:
+                    if (self.meter.measuring and not last
+                            and step - start == self.meter.measure_steps):
                         self.stop_measuring(evaluated)
                         pairing = self.pair_with_baseline(max_steps - step)
                         load.start()  # what the timed steps shared the machine with
@@ -491,13 +497,14 @@ class Trainer:
             return Unpaired("every step of the run measured memory (memory.measure_steps, "
                             "memory.budget, memory.snapshot), and a baseline beside the run "
                             "would count in it")
-        if self.meter.measuring:
-            return Unpaired("CUDA's counters measure every step of the run, and a baseline "
-                            "beside it would count in them")
+        why = self.meter.stop_counting()  # CUDA's counters stand aside while the baseline runs
+        if why is not None:
+            return Unpaired(why)
         log.info("timing: %d steps run beside the run's baseline (%s at their baseline options, "
                  "data.batch_size=%s, optim.accumulate=1), built in this process",
                  steps, ", ".join(BASELINE_GROUPS), config["data"]["batch_size"])
-        return PairedBaseline(config, steps, self.metrics.baseline_step_times)
+        return PairedBaseline(config, steps, self.metrics.baseline_step_times,
+                              gone=self.meter.resume_counting)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:

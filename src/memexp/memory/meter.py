@@ -38,32 +38,51 @@ def limit_cuda_memory(device: torch.device, budget: int) -> None:
 
 
 class CudaCounters:
-    """Per-phase peaks from the caching allocator's own statistics."""
+    """Per-phase peaks from the caching allocator's own statistics. `stop()` leaves the steps
+    after it uncounted until `resume()` (a baseline timed beside the run allocates meanwhile)."""
 
     def __init__(self, device: torch.device):
         self.device = device
         torch.cuda.reset_peak_memory_stats(device)
         torch.cuda.reset_accumulated_memory_stats(device)
         self.peaks: dict[str, int] = {}
+        # the run's peaks of reserved and active bytes, over the phases counted
+        self.reserved_peak = self.active_peak = 0
+        self.stopped = False
         self._phase = IDLE
         self._start = torch.cuda.memory_allocated(device)
 
     def switch(self, phase: str) -> None:
         """Close the current phase (its peak since the last switch) and start `phase`."""
-        peak = torch.cuda.max_memory_allocated(self.device)
+        if self.stopped:
+            return
+        stats = torch.cuda.memory_stats(self.device)
+        peak = stats.get("allocated_bytes.all.peak", 0)
         # Like the tracker: the idle phase counts only if something was allocated in it.
         if self._phase != IDLE or peak > self._start:
             self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), peak)
+        self.reserved_peak = max(self.reserved_peak, stats.get("reserved_bytes.all.peak", 0))
+        self.active_peak = max(self.active_peak, stats.get("active_bytes.all.peak", 0))
         torch.cuda.reset_peak_memory_stats(self.device)
         self._phase = phase
+        self._start = stats.get("allocated_bytes.all.current", 0)
+
+    def stop(self) -> None:
+        self.switch(IDLE)
+        self.stopped = True
+
+    def resume(self) -> None:
+        """Count again, from what is allocated now."""
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self.stopped = False
         self._start = torch.cuda.memory_allocated(self.device)
 
     def report(self) -> dict:
         self.switch(IDLE)
         stats = torch.cuda.memory_stats(self.device)
         return {
-            "reserved_peak_bytes": stats.get("reserved_bytes.all.peak", 0),
-            "active_peak_bytes": stats.get("active_bytes.all.peak", 0),
+            "reserved_peak_bytes": self.reserved_peak,
+            "active_peak_bytes": self.active_peak,
             "num_alloc_retries": stats.get("num_alloc_retries", 0),
             "num_ooms": stats.get("num_ooms", 0),
         }
@@ -143,6 +162,7 @@ class MemoryMeter:
         self.counters = CudaCounters(device) if cuda and allocator is None else None
         if budget is not None and cuda:
             limit_cuda_memory(device, budget)
+        self.budget = budget
         self.snapshot_to, self.snapshot_entries = snapshot_to, snapshot_entries
         self.warmup_steps = warmup_steps
         self.live_after_steps: list[int] = []
@@ -217,8 +237,34 @@ class MemoryMeter:
     @property
     def measuring(self) -> bool:
         """Whether the device's memory is still counted: by the tracker, or by CUDA's counters,
-        which count every step of the run."""
-        return self.tracking or self.counters is not None
+        which count every step of the run unless stopped."""
+        return self.tracking or (self.counters is not None and not self.counters.stopped)
+
+    def stop_counting(self) -> str | None:
+        """Stop CUDA's counters too (the tracker is paused already), so that a baseline can run
+        beside the run's next steps; `resume_counting()` once it is gone. Returns why they
+        cannot stop, if they cannot."""
+        if self.counters is None:
+            return None
+        if self.budget is not None or self.snapshot_to is not None:
+            return ("memory.budget and memory.snapshot on CUDA count every step of the run, and "
+                    "a baseline beside it would count in them")
+        if self.measure_steps is None or len(self.live_after_steps) < self.measure_steps:
+            return ("CUDA's counters measure the run's first memory.measure_steps steps (every "
+                    "step where it is null), and a baseline beside them would count in them")
+        self.counters.stop()
+        return None
+
+    def count_nothing(self) -> None:
+        """Measure nothing from here on, CUDA's counters included: a baseline timed beside a run
+        (memexp.trainer.PairedBaseline) then pays for no counting the run's steps do not."""
+        self.pause()
+        if self.counters is not None:
+            self.counters.stop()
+
+    def resume_counting(self) -> None:
+        if self.counters is not None:
+            self.counters.resume()
 
     def pause(self) -> None:
         """Turn the tracker off for the rest of the meter's context: what follows runs at full
@@ -301,9 +347,10 @@ class MemoryMeter:
         return roles
 
     def live_bytes(self) -> int | None:
-        """Device bytes in use now, where they can be read."""
+        """Device bytes in use now, where they can be read (not while the counters stand aside
+        for a baseline, whose bytes they would hold)."""
         if self.counters is not None:
-            return torch.cuda.memory_allocated(self.device)
+            return None if self.counters.stopped else torch.cuda.memory_allocated(self.device)
         return self.tracker.current if self.tracking else None
 
     # -- report ------------------------------------------------------------------------------
