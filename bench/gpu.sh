@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks that BENCHMARKS.md names, in one command, for a machine with a CUDA GPU (about
-# 5 minutes on an H100). The python it runs needs a CUDA build of torch and memexp's dependencies
+# 4 minutes on an H200). The python it runs needs a CUDA build of torch and memexp's dependencies
 # (`pip install -e .` or PYTHONPATH).
 #
 #   bash bench/gpu.sh OUTDIR        (PYTHON=... to pick the interpreter; default python3)

@@ -17,8 +17,8 @@ share of the machine other processes took during each is printed.
     python bench/time_ratios.py [--models transformer resnet] [--steps 60] [--repeats 2]
                                 [--techniques precision=bf16 ...] [--device cuda]
 
-On CUDA every step still ends in a host sync (train_step reads its loss with .item()), so the
-wall clock times the device's work.
+On CUDA each step waits for its kernels (Trainer.wait_for_device), so the wall clock times the
+device's work, and neither side counts memory (as a run and its baseline beside it do not).
 
 Target: every report ratio within 5% of its reference.
 """
@@ -66,6 +66,7 @@ def reference(model: str, technique: str, rounds: int) -> tuple[float, tuple, fl
              for extra in ((), technique_overrides(model, technique))]
     streams = [side.data.train_batches() for side in sides]
     for side in sides:
+        side.meter.count_nothing()
         side.model.train()
     times: list[list[float]] = [[], []]
     load = MachineLoad()

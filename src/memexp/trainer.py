@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -164,6 +165,10 @@ class Metrics:
     resumed_from: list[int] = field(default_factory=list)
 
 
+def nothing_to_wait_for() -> None:
+    """A CPU's ops have ended when they return."""
+
+
 def free_cached_memory(device: torch.device) -> None:
     """Collect what is unreachable and give the device's cached blocks back."""
     gc.collect()
@@ -186,6 +191,8 @@ def random_state_kept(device: torch.device) -> Iterator[None]:
 class Unpaired:
     """No baseline beside the run's steps; `why` says why not."""
 
+    holds_memory = False
+
     def __init__(self, why: str):
         self.why = why
 
@@ -199,11 +206,12 @@ class PairedBaseline:
     baseline first on even steps and second on odd ones, so that their times see the same
     machine at the same moments; the baseline's go to `times` as [step, seconds]. Neither
     touches the other's random state: the run's losses and weights are those it has alone.
-    A baseline that fails (runs out of memory beside the run) is dropped, and `why` says why.
-    `gone` is called once the baseline's memory is given back (CUDA's counters count again)."""
+    A baseline that fails (runs out of memory beside the run), or would leave the run too
+    little of the device, is dropped, and `why` says why. The run's `meter` counts nothing while
+    the baseline holds memory, and again once it is gone."""
 
-    def __init__(self, config: dict, steps: int, times: list[list], gone: Callable[[], None]):
-        self.steps, self.times, self.why, self.gone = steps, times, None, gone
+    def __init__(self, config: dict, steps: int, times: list[list], meter: MemoryMeter):
+        self.steps, self.times, self.why, self.meter = steps, times, None, meter
         self.trainer: Trainer | None = None
         self.dropped = False
         cfg = OmegaConf.create(config)
@@ -222,6 +230,10 @@ class PairedBaseline:
             # Its first steps allocate what later ones reuse, as the run's did: not timed.
             for _ in range(max(cfg.trainer.warmup_steps, 2)):
                 self.trainer.train_step(self.batches)
+        crowded = self.meter.crowded()
+        if crowded is not None:
+            self.why = f"the baseline was dropped before its first timed step: {crowded}"
+            log.warning("timing: %s; the step time ratio is left to the report", self.why)
 
     @contextmanager
     def beside(self, step: int) -> Iterator[None]:
@@ -255,11 +267,15 @@ class PairedBaseline:
         if self.why is not None and not self.dropped:
             self._drop()  # outside the except block: the error's frames no longer hold tensors
 
+    @property
+    def holds_memory(self) -> bool:
+        return not self.dropped
+
     def _drop(self) -> None:
         self.trainer = self.batches = None
         self.dropped = True
         free_cached_memory(self.device)
-        self.gone()
+        self.meter.resume_counting()
 
 
 class Trainer:
@@ -277,6 +293,11 @@ class Trainer:
             raise ValueError("trainer.checkpoint_every needs a run folder to keep checkpoints in")
         self.checkpoints = run_dir / "checkpoints" if run_dir is not None else None
         self.device = pick_device(cfg.trainer.device)
+        # CUDA runs kernels asynchronously: a step waits for its own, so that its time is its own
+        # and not the next step's (an estimate's fake CUDA device runs nothing).
+        self.wait_for_device = (functools.partial(torch.cuda.synchronize, self.device)
+                                if self.device.type == "cuda" and allocator is None
+                                else nothing_to_wait_for)
         torch.manual_seed(cfg.trainer.seed)
         self.data: Data = build(cfg.data) if data is None else data
         self.loss = as_loss(build(cfg.loss))
@@ -378,6 +399,7 @@ class Trainer:
             # (optim.keep_grads zeroes them in place instead, as torch < 2.0 did).
             self.optimizer.zero_grad(set_to_none=not self.optim.keep_grads)
         meter.end_step()
+        self.wait_for_device()
         return total
 
     @torch.inference_mode()
@@ -420,7 +442,7 @@ class Trainer:
                 pairing = self.pair_with_baseline(max_steps - start)
                 load.start()
                 for step in range(start + 1, max_steps + 1):
-                    measured = self.meter.tracking
+                    measured, counted = self.meter.tracking, self.meter.measuring
                     with pairing.beside(step):
                         started = time.perf_counter()
                         loss = self.train_step(batches)
@@ -438,14 +460,13 @@ class Trainer:
                     if last or (eval_every and step % eval_every == 0):
                         metrics.eval_accuracy = self.evaluate()
                         self.release_cached_memory("eval")
-                        evaluated |= measured
+                        evaluated |= counted
                     if last or step % log_every == 0:
                         bar.set_postfix(loss=f"{loss:.3f}")
                         logger.log(step, self.step_metrics())
                     if checkpoint_every and (last or step % checkpoint_every == 0):
                         self.save_checkpoint(step)
-                    if (self.meter.measuring and not last
-                            and step - start == self.meter.measure_steps):
+                    if counted and not last and step - start == self.meter.measure_steps:
                         self.stop_measuring(evaluated)
                         pairing = self.pair_with_baseline(max_steps - step)
                         load.start()  # what the timed steps shared the machine with
@@ -454,6 +475,9 @@ class Trainer:
             if not is_out_of_memory(error):
                 raise
             first_line = str(error).strip().splitlines()[0]
+            if pairing.holds_memory:  # the run might fit alone: say so
+                first_line += (" (with its baseline beside it, for timing.paired_steps: "
+                               "timing.paired_steps=0 runs it alone)")
             out_of_memory = OutOfMemory(first_line, self.meter.last_phase, step)
         finally:
             # Why the run has no paired ratio, or stopped pairing early; and the baseline's
@@ -503,8 +527,7 @@ class Trainer:
         log.info("timing: %d steps run beside the run's baseline (%s at their baseline options, "
                  "data.batch_size=%s, optim.accumulate=1), built in this process",
                  steps, ", ".join(BASELINE_GROUPS), config["data"]["batch_size"])
-        return PairedBaseline(config, steps, self.metrics.baseline_step_times,
-                              gone=self.meter.resume_counting)
+        return PairedBaseline(config, steps, self.metrics.baseline_step_times, self.meter)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:

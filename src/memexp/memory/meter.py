@@ -25,6 +25,9 @@ from memexp.memory.timeline import Timeline
 from memexp.memory.tracker import IDLE, LiveStorageTracker, tensor_storages
 
 PHASES = ("forward", "backward", "optimizer", "eval", IDLE)
+# The share of a device's memory a run and the baseline beside it may plan to fill: the rest is
+# left to the caching allocator's rounding and fragmentation.
+ROOM_SHARE = 0.9
 _NOTHING = nullcontext()  # reusable: nullcontext keeps no state
 
 
@@ -39,18 +42,27 @@ def limit_cuda_memory(device: torch.device, budget: int) -> None:
 
 class CudaCounters:
     """Per-phase peaks from the caching allocator's own statistics. `stop()` leaves the steps
-    after it uncounted until `resume()` (a baseline timed beside the run allocates meanwhile)."""
+    after it uncounted until `resume()`: a baseline timed beside the run allocates meanwhile, in
+    the same caching allocator. So the reserved and active peaks are those of the phases before
+    the first stop (blocks the baseline split may stay reserved after it), and the allocator's
+    retries and out-of-memory errors are the run's own: what happened while counted."""
+
+    EVENTS = ("num_alloc_retries", "num_ooms")
 
     def __init__(self, device: torch.device):
         self.device = device
         torch.cuda.reset_peak_memory_stats(device)
-        torch.cuda.reset_accumulated_memory_stats(device)
         self.peaks: dict[str, int] = {}
-        # the run's peaks of reserved and active bytes, over the phases counted
         self.reserved_peak = self.active_peak = 0
-        self.stopped = False
+        self.stopped = self.ever_stopped = False
+        self._events = dict.fromkeys(self.EVENTS, 0)  # counted so far, up to the last stop
         self._phase = IDLE
-        self._start = torch.cuda.memory_allocated(device)
+        self._start, self._events_at_start = self._now()
+
+    def _now(self) -> tuple[int, dict[str, int]]:
+        stats = torch.cuda.memory_stats(self.device)
+        return (stats.get("allocated_bytes.all.current", 0),
+                {name: stats.get(name, 0) for name in self.EVENTS})
 
     def switch(self, phase: str) -> None:
         """Close the current phase (its peak since the last switch) and start `phase`."""
@@ -61,31 +73,36 @@ class CudaCounters:
         # Like the tracker: the idle phase counts only if something was allocated in it.
         if self._phase != IDLE or peak > self._start:
             self.peaks[self._phase] = max(self.peaks.get(self._phase, 0), peak)
-        self.reserved_peak = max(self.reserved_peak, stats.get("reserved_bytes.all.peak", 0))
-        self.active_peak = max(self.active_peak, stats.get("active_bytes.all.peak", 0))
+        if not self.ever_stopped:
+            self.reserved_peak = max(self.reserved_peak, stats.get("reserved_bytes.all.peak", 0))
+            self.active_peak = max(self.active_peak, stats.get("active_bytes.all.peak", 0))
         torch.cuda.reset_peak_memory_stats(self.device)
         self._phase = phase
         self._start = stats.get("allocated_bytes.all.current", 0)
 
+    def events(self) -> dict[str, int]:
+        """Allocation retries and out-of-memory errors while counted."""
+        if self.stopped:
+            return dict(self._events)
+        _, now = self._now()
+        return {name: self._events[name] + now[name] - self._events_at_start[name]
+                for name in self.EVENTS}
+
     def stop(self) -> None:
         self.switch(IDLE)
-        self.stopped = True
+        self._events = self.events()
+        self.stopped = self.ever_stopped = True
 
     def resume(self) -> None:
         """Count again, from what is allocated now."""
         torch.cuda.reset_peak_memory_stats(self.device)
         self.stopped = False
-        self._start = torch.cuda.memory_allocated(self.device)
+        self._start, self._events_at_start = self._now()
 
     def report(self) -> dict:
         self.switch(IDLE)
-        stats = torch.cuda.memory_stats(self.device)
-        return {
-            "reserved_peak_bytes": self.reserved_peak,
-            "active_peak_bytes": self.active_peak,
-            "num_alloc_retries": stats.get("num_alloc_retries", 0),
-            "num_ooms": stats.get("num_ooms", 0),
-        }
+        return {"reserved_peak_bytes": self.reserved_peak, "active_peak_bytes": self.active_peak,
+                **self.events()}
 
 
 def find_leak(live_after_steps: list[int], warmup_steps: int) -> dict | None:
@@ -255,6 +272,21 @@ class MemoryMeter:
         self.counters.stop()
         return None
 
+    def crowded(self) -> str | None:
+        """On CUDA, after a baseline was built beside the run: why the run's next step might not
+        fit beside it (its peak over what stays between its steps, on top of what is allocated
+        now, against ROOM_SHARE of what the device has left for this process); else None."""
+        if self.counters is None or not self.counters.peaks or not self.live_after_steps:
+            return None
+        needs = (torch.cuda.memory_allocated(self.device) + max(self.counters.peaks.values())
+                 - self.live_after_steps[-1])
+        free, _ = torch.cuda.mem_get_info(self.device)
+        room = free + torch.cuda.memory_reserved(self.device)
+        if needs <= ROOM_SHARE * room:
+            return None
+        return (f"the run's peak beside it would need {needs / 2**20:.0f} MiB, more than "
+                f"{ROOM_SHARE:.0%} of the {room / 2**20:.0f} MiB this process can have")
+
     def count_nothing(self) -> None:
         """Measure nothing from here on, CUDA's counters included: a baseline timed beside a run
         (memexp.trainer.PairedBaseline) then pays for no counting the run's steps do not."""
@@ -286,9 +318,11 @@ class MemoryMeter:
             self.tracker.timeline.write(folder)
 
     def end_step(self) -> None:
-        """After each optimizer step: what stays alive between steps, for leak detection."""
+        """After each optimizer step: what stays alive between steps, for leak detection, over
+        the steps before a baseline ran beside the run (the steps after them would not follow
+        on from those)."""
         live = self.live_bytes()
-        if live is not None:
+        if live is not None and not (self.counters is not None and self.counters.ever_stopped):
             self.live_after_steps.append(live)
 
     def phase(self, name: str) -> AbstractContextManager:
