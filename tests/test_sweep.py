@@ -244,3 +244,34 @@ def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):
     assert done.returncode != 0
     assert "report.budget=lots: expected a positive size such as 12GiB" in done.stderr
     assert not list(sweep_dir.glob("*/result.json"))
+
+
+def test_each_jobs_config_is_composed_once_for_the_sweepers_check_and_the_launcher(monkeypatch):
+    """Hydra's sweeper composes every job's config to check its batch, then the launcher needs
+    them: ComposedOnce (around Hydra's own loader) hands the launcher the check's."""
+    import cloudpickle
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.types import RunMode
+
+    from memexp.config import config_dir
+
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(config_dir())))
+    master = loader.load_configuration("train", overrides=["checkpointing=none,full"],
+                                       run_mode=RunMode.MULTIRUN)
+    # after Hydra's plugin scan, which imports the launcher's module anew
+    from hydra_plugins.memexp_launcher.launcher import ComposedOnce
+
+    composed, compose = [], loader.load_sweep_config
+    monkeypatch.setattr(loader, "load_sweep_config",
+                        lambda config, overrides: composed.append(overrides) or
+                        compose(config, overrides))
+    once = ComposedOnce(loader)
+    checked = once.load_sweep_config(master, ["checkpointing=full"])  # the sweeper's check
+    taken = once.take(master, ["checkpointing=full"])  # the launcher's
+    assert taken is checked and composed == [["checkpointing=full"]]
+    assert taken.checkpointing._target_ == "memexp.techniques.checkpointing.CheckpointBlocks"
+    # what the launcher took is its own to change: asked again, the loader composes anew
+    assert once.take(master, ["checkpointing=full"]) is not taken and len(composed) == 2
+    # it travels to each job inside the launcher, which submitit pickles with cloudpickle
+    assert cloudpickle.loads(cloudpickle.dumps(once)).get_search_path() is not None
