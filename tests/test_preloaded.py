@@ -6,8 +6,10 @@ are tested in test_sweep.py and test_reliability.py (it is the local launcher's 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -15,7 +17,9 @@ from pathlib import Path
 import pytest
 import submitit
 
-from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON, preloaded_server
+from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON, PreloadedServer
+
+from conftest import REPO
 
 pytestmark = pytest.mark.slow
 
@@ -42,7 +46,7 @@ def executor(tmp_path, monkeypatch):
 
 
 def test_a_job_is_forked_from_the_preloaded_server(executor):
-    with preloaded_server():
+    with contextlib.closing(PreloadedServer()):
         first, second = (executor.submit(where_it_runs).result() for _ in range(2))
     for job in (first, second):
         assert "--serve" in job["parent"] and job["torch_loaded"]
@@ -52,7 +56,7 @@ def test_a_job_is_forked_from_the_preloaded_server(executor):
 
 def test_an_environment_the_server_did_not_import_with_starts_a_fresh_interpreter(
         executor, monkeypatch):
-    with preloaded_server():
+    with contextlib.closing(PreloadedServer()):
         monkeypatch.setenv("OMP_NUM_THREADS", "2")  # read by OpenMP when torch was imported
         job = executor.submit(where_it_runs)
         ran = job.result()
@@ -63,7 +67,7 @@ def test_an_environment_the_server_did_not_import_with_starts_a_fresh_interprete
 
 def test_a_job_whose_client_is_killed_is_killed_too(executor, tmp_path):
     pid_file = tmp_path / "job.pid"
-    with preloaded_server():
+    with contextlib.closing(PreloadedServer()):
         job = executor.submit(wait_forever, str(pid_file))
         deadline = time.monotonic() + 300
         while not pid_file.exists() and time.monotonic() < deadline:
@@ -84,3 +88,18 @@ def read_cmdline(proc: Path) -> bytes:
         return (proc / "cmdline").read_bytes()
     except OSError:  # it ended meanwhile
         return b""
+
+
+def test_a_sweep_that_stops_before_its_launch_leaves_no_server_behind(tmp_path):
+    """The server starts when the launcher is set up; a job config that does not compose stops
+    the sweep in Hydra's check, before the launch. The server, still importing, goes with the
+    sweep's process: nothing holds its output or its folder afterwards."""
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the server's socket folder, its argv too
+    with open(tmp_path / "out", "w") as out:
+        done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "model.widht=1,2",
+                               f"hydra.sweep.dir={tmp_path / 'sweep'}"], stdout=out,
+                              stderr=subprocess.STDOUT, env=env, cwd=tmp_path, timeout=300)
+    assert done.returncode != 0 and "widht" in (tmp_path / "out").read_text()
+    servers = [p for p in Path("/proc").glob("[0-9]*")
+               if b"--serve" in read_cmdline(p) and str(tmp_path).encode() in read_cmdline(p)]
+    assert servers == []

@@ -21,7 +21,7 @@ handler raises is recorded as status `timeout`, not as a traceback of the code i
 
 from __future__ import annotations
 
-import contextlib
+import atexit
 import copy
 import logging
 import os
@@ -31,7 +31,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -77,9 +76,10 @@ class ComposedOnce:
         return config
 
     def __getattr__(self, name: str):
-        if name.startswith("__"):  # pickle's probes, before the instance has its state
+        loader = self.__dict__.get("_loader")
+        if loader is None:  # pickle's probes, before the instance has its state
             raise AttributeError(name)
-        return getattr(self._loader, name)
+        return getattr(loader, name)
 
 
 class _SurvivingLauncher(BaseSubmititLauncher):
@@ -284,41 +284,50 @@ class LocalLauncher(_SurvivingLauncher):
 class PreloadedServer:
     """The sweep's preloaded server (see preloaded), for the jobs submitted while it runs: they
     find it through the environment they inherit. `close()`: it takes no more jobs (its stdin
-    closes), and ends when its last one does."""
+    closes), and ends when its last one does. One never closed (the sweep stopped before its
+    launch: a config that does not compose, Ctrl-C) is killed when the process exits, so that
+    it holds neither the sweep's output nor its folder."""
 
     def __init__(self):
         from hydra_plugins.memexp_launcher import preloaded
 
         self._folder = tempfile.TemporaryDirectory(prefix="memexp-")  # only this user's
         path = str(Path(self._folder.name) / "preloaded.socket")
+        # set before the server starts: it compares each job's environment with its own
         os.environ[preloaded.SOCKET_VARIABLE] = path
-        # os.environ, as submitit gives its jobs: what C code set since (torch's import sets
-        # COLUMNS and LINES without a terminal) is not in it
-        self._process = subprocess.Popen([sys.executable, "-u", "-m", preloaded.__name__,
-                                          "--serve", path],
-                                         stdin=subprocess.PIPE, env=dict(os.environ))
+        try:
+            # os.environ, as submitit gives its jobs: what C code set since (torch's import
+            # sets COLUMNS and LINES without a terminal) is not in it
+            self._process = subprocess.Popen([sys.executable, "-u", "-m", preloaded.__name__,
+                                              "--serve", path],
+                                             stdin=subprocess.PIPE, env=dict(os.environ))
+        except OSError:
+            del os.environ[preloaded.SOCKET_VARIABLE]
+            self._folder.cleanup()
+            raise
+        self._closed = False
+        atexit.register(self._abandon)
 
     def close(self) -> None:
         from hydra_plugins.memexp_launcher import preloaded
 
-        del os.environ[preloaded.SOCKET_VARIABLE]
-        self._process.stdin.close()
+        if self._closed:
+            return
+        self._closed = True
+        os.environ.pop(preloaded.SOCKET_VARIABLE, None)
         try:
+            self._process.stdin.close()
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:  # jobs left running (the sweep was stopped)
             log.warning(f"the preloaded server (pid {self._process.pid}) still serves running "
                         "jobs; it ends when they do")
-        self._folder.cleanup()
+        finally:
+            self._folder.cleanup()
 
-
-@contextlib.contextmanager
-def preloaded_server() -> Iterator[None]:
-    """A PreloadedServer for the jobs submitted inside the block."""
-    server = PreloadedServer()
-    try:
-        yield
-    finally:
-        server.close()
+    def _abandon(self) -> None:
+        if not self._closed:
+            self._process.kill()
+            self.close()
 
 
 def signal_delay(timeout_min: int) -> int:
