@@ -233,7 +233,6 @@ class PairedBaseline:
         crowded = self.meter.crowded()
         if crowded is not None:
             self.why = f"the baseline was dropped before its first timed step: {crowded}"
-            log.warning("timing: %s; the step time ratio is left to the report", self.why)
 
     @contextmanager
     def beside(self, step: int) -> Iterator[None]:
@@ -263,8 +262,8 @@ class PairedBaseline:
             what = "ran out of memory" if is_out_of_memory(error) else "failed"
             first_line = (str(error).strip().splitlines() or [""])[0]
             self.why = f"the baseline {what} beside the run: {type(error).__name__}: {first_line}"
-            log.warning("timing: %s; the step time ratio is left to the report", self.why)
         if self.why is not None and not self.dropped:
+            log.warning("timing: %s; the step time ratio is left to the report", self.why)
             self._drop()  # outside the except block: the error's frames no longer hold tensors
 
     @property
