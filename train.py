@@ -1,6 +1,12 @@
 """memexp's training entry point: `python train.py [overrides]` (see README)."""
 
-from memexp.app import main
+import sys
+
+from hydra_plugins.memexp_launcher import preloaded
 
 if __name__ == "__main__":
+    # A sweep's preloaded server starts before the imports below, to import beside them.
+    preloaded.start_early(sys.argv[1:])
+    from memexp.app import main
+
     main()

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import submitit
 
-from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON, PreloadedServer
+from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON
+from hydra_plugins.memexp_launcher.preloaded import PreloadedServer
 
 from conftest import REPO
 
@@ -90,16 +91,48 @@ def read_cmdline(proc: Path) -> bytes:
         return b""
 
 
+def servers_under(folder: Path) -> set[bytes]:
+    """The sockets of the preloaded servers under `folder` (a sweep run with TMPDIR=folder);
+    a job forked from a server, with the same command line until it ends, is not another."""
+    return {line for line in map(read_cmdline, Path("/proc").glob("[0-9]*"))
+            if b"--serve" in line and str(folder).encode() in line}
+
+
 def test_a_sweep_that_stops_before_its_launch_leaves_no_server_behind(tmp_path):
-    """The server starts when the launcher is set up; a job config that does not compose stops
-    the sweep in Hydra's check, before the launch. The server, still importing, goes with the
-    sweep's process: nothing holds its output or its folder afterwards."""
+    """train.py starts the server first; a job config that does not compose stops the sweep in
+    Hydra's check, before the launch. The server, still importing, goes with the sweep's
+    process: nothing holds its output or its folder afterwards."""
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the server's socket folder, its argv too
     with open(tmp_path / "out", "w") as out:
         done = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "model.widht=1,2",
                                f"hydra.sweep.dir={tmp_path / 'sweep'}"], stdout=out,
                               stderr=subprocess.STDOUT, env=env, cwd=tmp_path, timeout=300)
     assert done.returncode != 0 and "widht" in (tmp_path / "out").read_text()
-    servers = [p for p in Path("/proc").glob("[0-9]*")
-               if b"--serve" in read_cmdline(p) and str(tmp_path).encode() in read_cmdline(p)]
-    assert servers == []
+    assert servers_under(tmp_path) == set()
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_train_py_starts_the_sweeps_server_first_and_the_launcher_takes_or_discards_it(
+        tmp_path, preload):
+    """`python train.py -m` starts the preloaded server before its own imports. The local
+    launcher takes that one (one server for the sweep, its jobs forked from it, though the
+    sweep's process set HYDRA_FULL_ERROR since); with hydra.launcher.preload=false none is
+    used, and it is gone before the first job starts."""
+    sweep_dir = tmp_path / "sweep"
+    env = {**os.environ, "TMPDIR": str(tmp_path), "HYDRA_FULL_ERROR": "0"}
+    command = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+               f"hydra.launcher.preload={str(preload).lower()}", "optim=sgd,adamw",
+               "debug=fast", "data.batch_size=8", "data.num_eval=64", "model.width=4"]
+    with open(tmp_path / "out", "w") as out:
+        sweep = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env,
+                                 cwd=tmp_path)
+        most = 0  # servers alive at once, until the first job has begun (its result.json)
+        while sweep.poll() is None and not (sweep_dir / "0" / "result.json").exists():
+            most = max(most, len(servers_under(tmp_path)))
+            time.sleep(0.02)
+        at_first_job = len(servers_under(tmp_path))  # the second job is still to come
+        assert sweep.wait(timeout=600) == 0, (tmp_path / "out").read_text()[-3000:]
+    assert most == 1 and at_first_job == (1 if preload else 0)
+    if preload:
+        logs = [p.read_text() for p in sweep_dir.glob(".submitit/*/*_log.err")]
+        assert len(logs) == 2 and not any("starts a fresh interpreter" in log for log in logs)

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 
 from memexp.result import GROUPS, mib
 
@@ -275,3 +276,44 @@ def test_each_jobs_config_is_composed_once_for_the_sweepers_check_and_the_launch
     assert once.take(master, ["checkpointing=full"]) is not taken and len(composed) == 2
     # it travels to each job inside the launcher, which submitit pickles with cloudpickle
     assert cloudpickle.loads(cloudpickle.dumps(once)).get_search_path() is not None
+
+
+def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives(tmp_path):
+    """ComposedOnce's composes share one SweepRepository, which reads each config once for the
+    sweep: they equal a plain loader's. A compose that sets hydra.searchpath reads its own
+    search path, which the next compose does not see."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.errors import MissingConfigException
+    from hydra.types import RunMode
+
+    from memexp.config import config_dir
+
+    def loader_and_master():
+        loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(config_dir())))
+        return loader, loader.load_configuration("train", overrides=["optim=sgd,adamw"],
+                                                 run_mode=RunMode.MULTIRUN)
+
+    from hydra_plugins.memexp_launcher.launcher import ComposedOnce  # after the plugin scan
+
+    (plain, plain_master), (loader, master) = loader_and_master(), loader_and_master()
+    once = ComposedOnce(loader)
+    jobs = [["optim=adamw", "checkpointing=full", "memory.budget=6MiB"], ["model=transformer"],
+            ["optim=sgd", "precision=bf16", "memory.budget=64MiB"], ["optim=adamw", "optim.lr=0.5"]]
+    taken = [once.take(master, overrides) for overrides in jobs]  # all, then compared
+    for config, overrides in zip(taken, jobs, strict=True):
+        assert (OmegaConf.to_yaml(config)
+                == OmegaConf.to_yaml(plain.load_sweep_config(plain_master, overrides)))
+    assert [c.memory.budget for c in taken] == ["6MiB", None, "64MiB", None]
+    extra = tmp_path / "extra"
+    (extra / "optim").mkdir(parents=True)
+    (extra / "optim" / "mine.yaml").write_text(
+        (config_dir() / "optim" / "sgd.yaml").read_text().replace("lr: 0.05", "lr: 0.5"))
+    mine = once.take(master, [f"hydra.searchpath=[file://{extra}]", "optim=mine"])
+    assert mine.optim.lr == 0.5
+    with pytest.raises(MissingConfigException, match="mine"):
+        once.take(master, ["optim=mine"])
+    # the job's pickle carries none of the configs read
+    import cloudpickle
+
+    assert cloudpickle.loads(cloudpickle.dumps(loader.repository))._cache == {}

@@ -221,7 +221,7 @@ def annotate(figure, axes, points: list[tuple[float, float]], labels: list[str])
     texts = [axes.annotate(label, xy=point, xytext=(0, 0), textcoords="offset pixels",
                            fontsize=8, ha="left", va="bottom", zorder=4)
              for point, label in zip(points, labels, strict=True)]
-    figure.canvas.draw()  # the axes' final limits, and the texts' sizes
+    figure.draw_without_rendering()  # the axes' final limits, and the texts' sizes
     renderer = figure.canvas.get_renderer()
     sizes = [tuple(text.get_window_extent(renderer).size) for text in texts]
     anchors = [tuple(p) for p in axes.transData.transform(points)]
