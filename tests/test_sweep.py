@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -278,7 +279,8 @@ def test_each_jobs_config_is_composed_once_for_the_sweepers_check_and_the_launch
     assert cloudpickle.loads(cloudpickle.dumps(once)).get_search_path() is not None
 
 
-def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives(tmp_path):
+def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives(
+        tmp_path, monkeypatch):
     """ComposedOnce's composes share one SweepRepository, which reads each config once for the
     sweep: they equal a plain loader's. A compose that sets hydra.searchpath reads its own
     search path, which the next compose does not see."""
@@ -298,6 +300,9 @@ def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives
 
     (plain, plain_master), (loader, master) = loader_and_master(), loader_and_master()
     once = ComposedOnce(loader)
+    hydras, loads = loader.repository._repository, Counter()  # Hydra's own reads, by path
+    read = hydras.load_config
+    monkeypatch.setattr(hydras, "load_config", lambda path: loads.update([path]) or read(path))
     jobs = [["optim=adamw", "checkpointing=full", "memory.budget=6MiB"], ["model=transformer"],
             ["optim=sgd", "precision=bf16", "memory.budget=64MiB"], ["optim=adamw", "optim.lr=0.5"]]
     taken = [once.take(master, overrides) for overrides in jobs]  # all, then compared
@@ -305,6 +310,8 @@ def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives
         assert (OmegaConf.to_yaml(config)
                 == OmegaConf.to_yaml(plain.load_sweep_config(plain_master, overrides)))
     assert [c.memory.budget for c in taken] == ["6MiB", None, "64MiB", None]
+    assert "optim/adamw" in loads and set(loads.values()) == {1}  # each read once
+    monkeypatch.undo()  # a copy of the counting repository would read its old search path
     extra = tmp_path / "extra"
     (extra / "optim").mkdir(parents=True)
     (extra / "optim" / "mine.yaml").write_text(
