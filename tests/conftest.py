@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -86,6 +87,26 @@ def submitit_log_lines(sweep_dir: Path, says: str) -> list[str]:
     return [line for path in sorted(sweep_dir.glob(".submitit/*/*_log.out"))
             for line in path.read_text().splitlines()
             if line.startswith("submitit ") and says in line]
+
+
+def preloaded_server_of(parent: int) -> int | None:
+    """The preloaded server process `parent` started (`... preloaded --serve SOCKET FD`)."""
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            ppid = int((proc / "stat").read_text().rsplit(") ", 1)[1].split()[1])
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:  # it ended meanwhile
+            continue
+        if ppid == parent and b"--serve" in argv:
+            return int(proc.name)
+    return None
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP, and return once it took effect."""
+    os.kill(pid, signal.SIGSTOP)
+    while Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "T":
+        time.sleep(0.001)
 
 
 def train(*overrides: str, steps: int = 1):

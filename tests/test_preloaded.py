@@ -18,9 +18,9 @@ import pytest
 import submitit
 
 from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON
-from hydra_plugins.memexp_launcher.preloaded import PreloadedServer
+from hydra_plugins.memexp_launcher.preloaded import SOCKET_VARIABLE, PreloadedServer
 
-from conftest import REPO
+from conftest import REPO, freeze, preloaded_server_of
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +53,32 @@ def test_a_job_is_forked_from_the_preloaded_server(executor):
         assert "--serve" in job["parent"] and job["torch_loaded"]
     assert first["pid"] != second["pid"]  # a process per job
     assert first["parent"] == second["parent"]  # from the same server
+
+
+def test_a_job_that_comes_before_the_server_is_ready_waits_for_it(executor):
+    """The server is frozen as soon as it starts, before it ran a line: the job's client finds
+    its socket bound already (by the process that started it) and waits in its queue, to be
+    forked from it once it runs (a fresh interpreter, were the socket not there yet)."""
+    with contextlib.closing(PreloadedServer()):
+        server, path = preloaded_server_of(os.getpid()), os.environ[SOCKET_VARIABLE]
+        freeze(server)
+        try:
+            job = executor.submit(where_it_runs)
+            deadline = time.monotonic() + 300
+            while not (queued_on(path) or job.done()) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert queued_on(path), job.stderr()
+        finally:
+            os.kill(server, signal.SIGCONT)
+        ran = job.result()
+    assert "--serve" in ran["parent"] and ran["torch_loaded"]
+
+
+def queued_on(path: str) -> bool:
+    """A connection to the listening socket at `path` waits to be accepted (/proc/net/unix:
+    state 02, connecting)."""
+    return any(line.split()[5] == "02" and line.split()[-1] == path
+               for line in Path("/proc/net/unix").read_text().splitlines()[1:])
 
 
 def test_an_environment_the_server_did_not_import_with_starts_a_fresh_interpreter(

@@ -24,7 +24,7 @@ from memexp.result import record_killed
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
 
 from chaos import holding
-from conftest import REPO, compose_train, submitit_log_lines, train
+from conftest import REPO, compose_train, freeze, preloaded_server_of, submitit_log_lines, train
 
 CHAOS = ("model=custom", "model._target_=chaos.Chaos", "data.batch_size=8", "data.num_eval=64")
 
@@ -190,10 +190,8 @@ def wait_for(what: str, found, sweep: subprocess.Popen, timeout_s: float = 300):
 def signal_while_starting(pid: int) -> None:
     """SIGUSR2 to a job that has not installed submitit's handler yet, frozen meanwhile (SIGSTOP),
     so that it cannot install it between the check and the signal."""
-    os.kill(pid, signal.SIGSTOP)
+    freeze(pid)
     try:
-        while Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "T":
-            time.sleep(0.001)
         assert holds_back_usr2(pid), "the job installed its handler before the signal"
         os.kill(pid, signal.SIGUSR2)
     finally:
@@ -224,18 +222,28 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
     exists (held back until then: issue 12, #15), and while it waits for it at step 4, after a
     checkpoint at step 3. The first goes where submitit sends it: to the job's client, while it
     waits for the preloaded server to fork the job, which holds it back from its first line.
-    Each time the launcher requeues it; the last run continues from step 3 (and the same wandb
-    run) and repeats an uninterrupted one bitwise."""
+    The server is frozen from before the job is submitted until then, so that the client waits
+    however fast the server is (train.py starts it first thing: it is often ready before the
+    job comes). Each time the launcher requeues it; the last run continues from step 3 (and the
+    same wandb run) and repeats an uninterrupted one bitwise."""
     sweep_dir, holds = tmp_path / "sweep", tmp_path / "holds"
     overrides = [*CHAOS, "+model.mode=hold", f"+model.hold_dir={holds}", "trainer.max_steps=6",
                  "trainer.checkpoint_every=3", "trainer.progress=false", "logger=wandb",
                  "hydra.launcher.timeout_min=30"]  # no time-out but the two signals sent here
     with chaos_sweep(tmp_path, sweep_dir, overrides) as sweep:
         client = "hydra_plugins.memexp_launcher.preloaded"
-        starting = wait_for("a job holding back its time-out signal", lambda: next(
-            (p for p in processes_of(sweep_dir, running=client) if holds_back_usr2(p)), None),
-            sweep)
-        signal_while_starting(starting)
+        server = wait_for("the sweep's preloaded server", lambda: preloaded_server_of(sweep.pid),
+                          sweep)
+        freeze(server)
+        try:
+            # it was frozen before the sweep submitted the job (seconds of imports in both)
+            assert not processes_of(sweep_dir, running=client)
+            starting = wait_for("a job holding back its time-out signal", lambda: next(
+                (p for p in processes_of(sweep_dir, running=client) if holds_back_usr2(p)), None),
+                sweep)
+            signal_while_starting(starting)
+        finally:
+            os.kill(server, signal.SIGCONT)
         held = wait_for("the job waiting at step 4", lambda: holding(holds), sweep)
         os.kill(held[0]["pid"], signal.SIGUSR2)
         sweep.wait(timeout=400)

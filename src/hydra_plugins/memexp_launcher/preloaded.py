@@ -22,11 +22,13 @@ interpreter instead, and says why on stderr, where there is no server, the serve
 the job's environment differs from the server's beyond submitit's own variables: what torch
 read when it was imported would be wrong for the job.
 
-The server: `python -u -m hydra_plugins.memexp_launcher.preloaded --serve SOCKET`, its stdin a
-pipe from the launcher. It stops taking jobs when that pipe closes (the sweep ended, or its
-process died), and exits once its running jobs have ended. Its loop runs in one thread, and no
-other Python thread runs there, so a fork never copies a lock one of them holds (torch's import
-leaves one idle native thread; a fork copies only the thread that forks).
+The server: `python -u -m hydra_plugins.memexp_launcher.preloaded --serve SOCKET FD`, its stdin
+a pipe from the launcher. The process that starts it binds SOCKET and hands it the listening
+socket as FD, so that a job that comes before the server is ready waits for it in the socket's
+queue instead of finding no socket. It stops taking jobs when that pipe closes (the sweep
+ended, or its process died), and exits once its running jobs have ended. Its loop runs in one
+thread, and no other Python thread runs there, so a fork never copies a lock one of them holds
+(torch's import leaves one idle native thread; a fork copies only the thread that forks).
 """
 
 from __future__ import annotations
@@ -68,11 +70,15 @@ class PreloadedServer:
         # set before the server starts: it compares each job's environment with its own
         os.environ[SOCKET_VARIABLE] = path
         try:
-            # os.environ, as submitit gives its jobs: what C code set since (torch's import
-            # sets COLUMNS and LINES without a terminal) is not in it
-            self._process = subprocess.Popen([sys.executable, "-u", "-m", __spec__.name,
-                                              "--serve", path],
-                                             stdin=subprocess.PIPE, env=dict(os.environ))
+            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
+                listener.bind(path)
+                listener.listen(64)  # jobs that come while the server imports wait here
+                # os.environ, as submitit gives its jobs: what C code set since (torch's import
+                # sets COLUMNS and LINES without a terminal) is not in it
+                self._process = subprocess.Popen(
+                    [sys.executable, "-u", "-m", __spec__.name, "--serve", path,
+                     str(listener.fileno())], pass_fds=[listener.fileno()],
+                    stdin=subprocess.PIPE, env=dict(os.environ))
         except OSError:
             del os.environ[SOCKET_VARIABLE]
             self._folder.cleanup()
@@ -247,13 +253,11 @@ def preload() -> None:
                          "jobs start fresh interpreters")
 
 
-def serve(path: str) -> None:
+def serve(listener_fd: int) -> None:
     # A job is forked with these blocked, so that none comes before it is ready for it. The
     # server takes none itself: a Ctrl-C is for the sweep and its jobs.
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
-    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    listener.bind(path)
-    listener.listen(64)  # jobs that come while the imports run wait here
+    listener = socket.socket(fileno=listener_fd)
     # as it was before the imports: a fresh job starts from the same, and sets the same
     own_env = import_time_environment(dict(os.environ))
     preload()
@@ -340,6 +344,6 @@ def serve(path: str) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--serve"]:
-        serve(sys.argv[2])
+        serve(int(sys.argv[3]))
     else:
         client(sys.argv[1:])
