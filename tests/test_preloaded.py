@@ -60,18 +60,34 @@ def test_a_job_that_comes_before_the_server_is_ready_waits_for_it(executor):
     its socket bound already (by the process that started it) and waits in its queue, to be
     forked from it once it runs (a fresh interpreter, were the socket not there yet)."""
     with contextlib.closing(PreloadedServer()):
-        server, path = preloaded_server_of(os.getpid()), os.environ[SOCKET_VARIABLE]
-        freeze(server)
-        try:
-            job = executor.submit(where_it_runs)
-            deadline = time.monotonic() + 300
-            while not (queued_on(path) or job.done()) and time.monotonic() < deadline:
-                time.sleep(0.05)
-            assert queued_on(path), job.stderr()
-        finally:
-            os.kill(server, signal.SIGCONT)
+        server = preloaded_server_of(os.getpid())
+        job = queued_while_frozen(executor, server)
+        os.kill(server, signal.SIGCONT)
         ran = job.result()
     assert "--serve" in ran["parent"] and ran["torch_loaded"]
+
+
+def test_a_job_waiting_for_a_server_that_dies_starts_a_fresh_interpreter(executor):
+    with contextlib.closing(PreloadedServer()):
+        server = preloaded_server_of(os.getpid())
+        job = queued_while_frozen(executor, server)
+        os.kill(server, signal.SIGKILL)  # died while importing (out of memory, say)
+        ran = job.result()
+    assert "--serve" not in ran["parent"]
+    assert "starts a fresh interpreter: no preloaded server answered" in job.stderr()
+
+
+def queued_while_frozen(executor, server: int) -> submitit.Job:
+    """A job submitted while `server` is frozen, once its client waits in the server's queue;
+    the server is left frozen."""
+    path = os.environ[SOCKET_VARIABLE]
+    freeze(server)
+    job = executor.submit(where_it_runs)
+    deadline = time.monotonic() + 300
+    while not (queued_on(path) or job.done()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert queued_on(path), job.stderr()
+    return job
 
 
 def queued_on(path: str) -> bool:

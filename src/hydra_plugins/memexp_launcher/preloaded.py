@@ -156,7 +156,7 @@ def client(argv: list[str]) -> None:
         socket.send_fds(server, [json.dumps(request).encode()], [0, 1, 2])
         reply = json.loads(server.recv(MESSAGE_BYTES) or b'{"refused": "the server is gone"}')
     except OSError as error:
-        fresh_interpreter(argv, f"no preloaded server at {path} ({error})")
+        fresh_interpreter(argv, f"no preloaded server answered at {path} ({error})")
     if "refused" in reply:
         fresh_interpreter(argv, reply["refused"])
     job = reply["pid"]
