@@ -89,23 +89,30 @@ def submitit_log_lines(sweep_dir: Path, says: str) -> list[str]:
             if line.startswith("submitit ") and says in line]
 
 
-def preloaded_server_of(parent: int) -> int | None:
-    """The preloaded server process `parent` started (`... preloaded --serve SOCKET FD`)."""
+def processes() -> Iterator[tuple[int, int, list[bytes]]]:
+    """Each process: (its pid, its parent's, its command line's arguments); one that ends while
+    it is read is left out."""
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             ppid = int((proc / "stat").read_text().rsplit(") ", 1)[1].split()[1])
             argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:  # it ended meanwhile
+        except OSError:
             continue
-        if ppid == parent and b"--serve" in argv:
-            return int(proc.name)
-    return None
+        yield int(proc.name), ppid, argv
+
+
+def preloaded_server_of(parent: int) -> int | None:
+    """The preloaded server process `parent` started (`... preloaded --serve SOCKET FD`)."""
+    return next((pid for pid, ppid, argv in processes() if ppid == parent and b"--serve" in argv),
+                None)
 
 
 def freeze(pid: int) -> None:
-    """SIGSTOP, and return once it took effect."""
+    """SIGSTOP, and return once it took effect; raise where the process died instead."""
     os.kill(pid, signal.SIGSTOP)
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0] != "T":
+    while (state := Path(f"/proc/{pid}/stat").read_text().rsplit(") ", 1)[1][0]) != "T":
+        if state in "ZX":
+            raise AssertionError(f"process {pid} died before it could be frozen")
         time.sleep(0.001)
 
 

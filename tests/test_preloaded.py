@@ -1,7 +1,8 @@
 """Local sweep jobs forked from the preloaded server (hydra_plugins.memexp_launcher.preloaded),
 through submitit's real local executor: each job is a process of its own, forked from a server
-that imported torch once; a job whose client dies dies too; a job whose environment differs
-from the server's starts a fresh interpreter. Sweeps, time-outs and killed jobs on this path
+that imported torch once; a job that comes before the server is ready waits for it; a job
+whose client dies dies too; a job whose environment differs from the server's, or whose
+server died or never started, starts a fresh interpreter. Sweeps, time-outs and killed jobs on this path
 are tested in test_sweep.py and test_reliability.py (it is the local launcher's default)."""
 
 from __future__ import annotations
@@ -9,18 +10,26 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import submitit
 
 from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON
-from hydra_plugins.memexp_launcher.preloaded import SOCKET_VARIABLE, PreloadedServer
+from hydra_plugins.memexp_launcher.preloaded import (
+    SOCKET_VARIABLE,
+    NoServer,
+    PreloadedServer,
+    start_server,
+)
 
-from conftest import REPO, freeze, preloaded_server_of
+from conftest import REPO, freeze, processes
 
 pytestmark = pytest.mark.slow
 
@@ -56,38 +65,42 @@ def test_a_job_is_forked_from_the_preloaded_server(executor):
 
 
 def test_a_job_that_comes_before_the_server_is_ready_waits_for_it(executor):
-    """The server is frozen as soon as it starts, before it ran a line: the job's client finds
+    """The server is frozen as soon as it started, before it is ready: the job's client finds
     its socket bound already (by the process that started it) and waits in its queue, to be
     forked from it once it runs (a fresh interpreter, were the socket not there yet)."""
-    with contextlib.closing(PreloadedServer()):
-        server = preloaded_server_of(os.getpid())
-        job = queued_while_frozen(executor, server)
-        os.kill(server, signal.SIGCONT)
+    with contextlib.closing(PreloadedServer()) as server:
+        with queued_while_frozen(executor, server) as job:
+            os.kill(server.pid, signal.SIGCONT)
         ran = job.result()
     assert "--serve" in ran["parent"] and ran["torch_loaded"]
 
 
 def test_a_job_waiting_for_a_server_that_dies_starts_a_fresh_interpreter(executor):
-    with contextlib.closing(PreloadedServer()):
-        server = preloaded_server_of(os.getpid())
-        job = queued_while_frozen(executor, server)
-        os.kill(server, signal.SIGKILL)  # died while importing (out of memory, say)
+    with contextlib.closing(PreloadedServer()) as server:
+        with queued_while_frozen(executor, server) as job:
+            os.kill(server.pid, signal.SIGKILL)  # died while importing (out of memory, say)
         ran = job.result()
     assert "--serve" not in ran["parent"]
     assert "starts a fresh interpreter: no preloaded server answered" in job.stderr()
 
 
-def queued_while_frozen(executor, server: int) -> submitit.Job:
-    """A job submitted while `server` is frozen, once its client waits in the server's queue;
-    the server is left frozen."""
+@contextlib.contextmanager
+def queued_while_frozen(executor, server: PreloadedServer) -> Iterator[submitit.Job]:
+    """A job submitted while `server` is frozen, once its client waits in the server's queue.
+    The server stays frozen in the block, and is killed if the block fails."""
     path = os.environ[SOCKET_VARIABLE]
-    freeze(server)
-    job = executor.submit(where_it_runs)
-    deadline = time.monotonic() + 300
-    while not (queued_on(path) or job.done()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert queued_on(path), job.stderr()
-    return job
+    assert stat.S_ISSOCK(os.stat(path).st_mode)  # bound before the server runs a line
+    try:
+        freeze(server.pid)
+        job = executor.submit(where_it_runs)
+        deadline = time.monotonic() + 300
+        while not (queued_on(path) or job.done()) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert queued_on(path), job.stderr()
+        yield job
+    except BaseException:
+        server.discard()
+        raise
 
 
 def queued_on(path: str) -> bool:
@@ -95,6 +108,22 @@ def queued_on(path: str) -> bool:
     state 02, connecting)."""
     return any(line.split()[5] == "02" and line.split()[-1] == path
                for line in Path("/proc/net/unix").read_text().splitlines()[1:])
+
+
+def test_a_socket_that_cannot_be_bound_leaves_the_jobs_to_fresh_interpreters(
+        executor, tmp_path, monkeypatch, caplog):
+    """Where the server's socket cannot be bound (here a TMPDIR too long for a socket's path,
+    107 bytes), the sweep goes on without a server, as with hydra.launcher.preload=false."""
+    deep = tmp_path / ("x" * 100)
+    deep.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(deep))
+    server = start_server()
+    assert isinstance(server, NoServer) and SOCKET_VARIABLE not in os.environ
+    assert "no preloaded server (AF_UNIX path too long)" in caplog.text
+    job = executor.submit(where_it_runs)
+    ran = job.result()
+    assert "--serve" not in ran["parent"] and ran["torch_loaded"]
+    assert f"starts a fresh interpreter: {SOCKET_VARIABLE} is not set" in job.stderr()
 
 
 def test_an_environment_the_server_did_not_import_with_starts_a_fresh_interpreter(
@@ -116,9 +145,9 @@ def test_a_job_whose_client_is_killed_is_killed_too(executor, tmp_path):
         while not pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
         forked = int(pid_file.read_text())
-        client = next(int(p.name) for p in Path("/proc").glob("[0-9]*")
-                      if b"hydra_plugins.memexp_launcher.preloaded" in read_cmdline(p)
-                      and str(executor.folder).encode() in read_cmdline(p))
+        client = next(pid for pid, _, argv in processes()
+                      if b"hydra_plugins.memexp_launcher.preloaded" in argv
+                      and any(str(executor.folder).encode() in arg for arg in argv))
         os.kill(client, signal.SIGKILL)  # what submitit's controller does at the time limit
         while Path(f"/proc/{forked}").exists() and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -126,18 +155,11 @@ def test_a_job_whose_client_is_killed_is_killed_too(executor, tmp_path):
         job.cancel()
 
 
-def read_cmdline(proc: Path) -> bytes:
-    try:
-        return (proc / "cmdline").read_bytes()
-    except OSError:  # it ended meanwhile
-        return b""
-
-
 def servers_under(folder: Path) -> set[bytes]:
     """The sockets of the preloaded servers under `folder` (a sweep run with TMPDIR=folder);
     a job forked from a server, with the same command line until it ends, is not another."""
-    return {line for line in map(read_cmdline, Path("/proc").glob("[0-9]*"))
-            if b"--serve" in line and str(folder).encode() in line}
+    return {argv[argv.index(b"--serve") + 1] for _, _, argv in processes()
+            if b"--serve" in argv and str(folder).encode() in argv[argv.index(b"--serve") + 1]}
 
 
 def test_a_sweep_that_stops_before_its_launch_leaves_no_server_behind(tmp_path):

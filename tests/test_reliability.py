@@ -24,7 +24,15 @@ from memexp.result import record_killed
 from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
 
 from chaos import holding
-from conftest import REPO, compose_train, freeze, preloaded_server_of, submitit_log_lines, train
+from conftest import (
+    REPO,
+    compose_train,
+    freeze,
+    preloaded_server_of,
+    processes,
+    submitit_log_lines,
+    train,
+)
 
 CHAOS = ("model=custom", "model._target_=chaos.Chaos", "data.batch_size=8", "data.num_eval=64")
 
@@ -153,17 +161,9 @@ def processes_of(sweep_dir: Path, *, running: str = "") -> list[int]:
     job's tasks: `python -u -m hydra_plugins.memexp_launcher.preloaded ...
     <sweep_dir>/.submitit/%j`, the clients of the jobs forked from the preloaded server), those
     running the module `running` only, if given."""
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            argv = (proc / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if running and running.encode() not in argv:
-            continue
-        if any(str(sweep_dir).encode() in arg for arg in argv):
-            found.append(int(proc.name))
-    return found
+    return [pid for pid, _, argv in processes()
+            if (not running or running.encode() in argv)
+            and any(str(sweep_dir).encode() in arg for arg in argv)]
 
 
 def holds_back_usr2(pid: int) -> bool:
@@ -236,8 +236,8 @@ def test_a_timed_out_job_is_requeued_and_resumes_exactly(tmp_path):
                           sweep)
         freeze(server)
         try:
-            # it was frozen before the sweep submitted the job (seconds of imports in both)
-            assert not processes_of(sweep_dir, running=client)
+            # frozen before it forked the job (it imports for seconds, and the sweep composes)
+            assert not [pid for pid, ppid, _ in processes() if ppid == server]
             starting = wait_for("a job holding back its time-out signal", lambda: next(
                 (p for p in processes_of(sweep_dir, running=client) if holds_back_usr2(p)), None),
                 sweep)

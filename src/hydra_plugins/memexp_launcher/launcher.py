@@ -143,7 +143,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         # train.py started a preloaded server for any sweep (-m); only local jobs use one.
         self._server = self._preloaded_server(preloaded.take_early())
 
-    def _preloaded_server(self, early: preloaded.PreloadedServer | None):
+    def _preloaded_server(self, early: preloaded.PreloadedServer | preloaded.NoServer | None):
         """The server this launcher's first batch of jobs is forked from: none here."""
         if early is not None:
             early.discard()
@@ -297,19 +297,19 @@ def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
 class LocalLauncher(_SurvivingLauncher):
     _EXECUTOR = "local"
 
-    def _preloaded_server(self, early: preloaded.PreloadedServer | None):
+    def _preloaded_server(self, early: preloaded.PreloadedServer | preloaded.NoServer | None):
         # train.py's, or one started now: either imports while Hydra's sweeper composes every
         # job's config (its check of the batch, before the launch).
         if not self.params["preload"]:
             return super()._preloaded_server(early)
-        return early or preloaded.PreloadedServer()
+        return early or preloaded.start_server()
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         if not self.params["preload"]:
             return super().launch(job_overrides, initial_job_idx)
         # setup's server serves the first batch; a later batch (hydra.sweeper.max_batch_size)
         # starts its own. None is left on the launcher, which each job gets pickled.
-        server, self._server = self._server or preloaded.PreloadedServer(), None
+        server, self._server = self._server or preloaded.start_server(), None
         try:
             return super().launch(job_overrides, initial_job_idx)
         finally:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import fcntl
 import gc
 import json
 import os
@@ -73,18 +74,28 @@ class PreloadedServer:
             with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
                 listener.bind(path)
                 listener.listen(64)  # jobs that come while the server imports wait here
-                # os.environ, as submitit gives its jobs: what C code set since (torch's import
-                # sets COLUMNS and LINES without a terminal) is not in it
-                self._process = subprocess.Popen(
-                    [sys.executable, "-u", "-m", __spec__.name, "--serve", path,
-                     str(listener.fileno())], pass_fds=[listener.fileno()],
-                    stdin=subprocess.PIPE, env=dict(os.environ))
+                # above 2: the child's stdin, stdout and stderr are set over 0-2 (a process
+                # started with its stdin closed could have the socket there)
+                handed = fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
+                try:
+                    # os.environ, as submitit gives its jobs: what C code set since (torch's
+                    # import sets COLUMNS and LINES without a terminal) is not in it
+                    self._process = subprocess.Popen(
+                        [sys.executable, "-u", "-m", __spec__.name, "--serve", path,
+                         str(handed)], pass_fds=[handed], stdin=subprocess.PIPE,
+                        env=dict(os.environ))
+                finally:
+                    os.close(handed)
         except OSError:
             del os.environ[SOCKET_VARIABLE]
             self._folder.cleanup()
             raise
         self._closed = False
         atexit.register(self.discard)
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
 
     def close(self) -> None:
         import logging
@@ -110,9 +121,34 @@ class PreloadedServer:
             self.close()
 
 
+class NoServer:
+    """Where a server could not start: the jobs start fresh interpreters (SOCKET_VARIABLE is
+    not set), and there is nothing to close."""
+
+    def close(self) -> None:
+        pass
+
+    def discard(self) -> None:
+        pass
+
+
+def start_server() -> PreloadedServer | NoServer:
+    """A new server, or NoServer, with a warning, where none can start: its socket could not be
+    bound (a TMPDIR too long for a socket's path, a full disk), or the process not started.
+    A sweep goes on without it, as it would with hydra.launcher.preload=false."""
+    try:
+        return PreloadedServer()
+    except OSError as error:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            f"memexp: no preloaded server ({error}); each job starts a fresh interpreter")
+        return NoServer()
+
+
 # The server train.py started before its own imports (start_early), until a launcher takes it.
 # Hydra's plugin scan runs this module's code again, in the same module: it is kept.
-_early: PreloadedServer | None = globals().get("_early")
+_early: PreloadedServer | NoServer | None = globals().get("_early")
 
 
 def start_early(argv: list[str]) -> None:
@@ -123,10 +159,10 @@ def start_early(argv: list[str]) -> None:
     there; one that ends before (--help, a config that does not compose), at its exit."""
     global _early
     if _early is None and {"-m", "--multirun"} & set(argv):
-        _early = PreloadedServer()
+        _early = start_server()
 
 
-def take_early() -> PreloadedServer | None:
+def take_early() -> PreloadedServer | NoServer | None:
     global _early
     server, _early = _early, None
     return server
@@ -258,6 +294,7 @@ def serve(listener_fd: int) -> None:
     # server takes none itself: a Ctrl-C is for the sweep and its jobs.
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
     listener = socket.socket(fileno=listener_fd)
+    listener.set_inheritable(False)  # as a socket of its own would be: no child keeps it open
     # as it was before the imports: a fresh job starts from the same, and sets the same
     own_env = import_time_environment(dict(os.environ))
     preload()
