@@ -154,8 +154,8 @@ def test_a_job_whose_client_is_killed_is_killed_too(executor, tmp_path):
 def servers_under(folder: Path) -> set[bytes]:
     """The sockets of the preloaded servers under `folder` (a sweep run with TMPDIR=folder);
     a job forked from a server, with the same command line until it ends, is not another."""
-    return {argv[argv.index(b"--serve") + 1] for _, _, argv in processes()
-            if b"--serve" in argv and str(folder).encode() in argv[argv.index(b"--serve") + 1]}
+    sockets = (argv[argv.index(b"--serve") + 1] for _, _, argv in processes() if b"--serve" in argv)
+    return {path for path in sockets if str(folder).encode() in path}
 
 
 def test_a_sweep_that_stops_before_its_launch_leaves_no_server_behind(tmp_path):

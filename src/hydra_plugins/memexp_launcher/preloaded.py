@@ -110,7 +110,7 @@ class PreloadedServer:
             self._process.wait(timeout=30)
         except subprocess.TimeoutExpired:  # jobs left running (the sweep was stopped)
             logging.getLogger(__name__).warning(
-                f"the preloaded server (pid {self._process.pid}) still serves running jobs; it "
+                f"the preloaded server (pid {self.pid}) still serves running jobs; it "
                 "ends when they do")
         finally:
             self._folder.cleanup()
