@@ -6,9 +6,18 @@ import pytest
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
+from memexp.app import run_config
+from memexp.estimate import estimate
 from memexp.trainer import Trainer
 
-from conftest import compose_train, first_step_gradients, max_relative_error, step_memory
+from conftest import (
+    HF_DATA,
+    compose_train,
+    first_step_gradients,
+    max_relative_error,
+    step_memory,
+    train,
+)
 
 # Dropout on, so a recomputation that drew new random numbers would change the gradients.
 TRANSFORMER = ("model=transformer", "model.n_layers=4", "model.dropout=0.1", "data.batch_size=8")
@@ -107,3 +116,69 @@ def test_offload_leaves_no_saved_activation_on_the_device():
     assert forward["breakdown"]["offloaded"] > 0
     assert forward["peak_bytes"] == sum(v for k, v in forward["breakdown"].items()
                                         if k != "offloaded")
+
+
+# -- user models: shared slots, torch's own encoder, containers, tied block classes --------------
+TOKENS = ("data=tokens", "data.batch_size=4", "data.num_train=16", "data.num_eval=8",
+          "data.seq_len=16")
+LAYERS = ("model=custom", "model._target_=user_models.LayerStack", *TOKENS)
+SHARED = ("model=custom", "model._target_=user_models.SharedLayer", *TOKENS)
+ENCODER = ("model=custom", "model._target_=user_models.Encoder", *TOKENS)
+
+
+def test_a_module_in_two_slots_is_checkpointed_at_each():
+    built = Trainer(compose_train(*SHARED, "checkpointing=full"))
+    assert built.checkpointing.found.summary() == {"class": "Layer", "count": 3}
+    # Three calls of two modules save what three distinct blocks save, not a third call's
+    # insides as well.
+    shared = step_memory(*SHARED, "checkpointing=full")["saved_activations_bytes"]
+    distinct = step_memory(*LAYERS, "checkpointing=full")["saved_activations_bytes"]
+    assert shared == distinct
+    _, baseline = first_step_gradients(*SHARED)
+    _, checkpointed = first_step_gradients(*SHARED, "checkpointing=full")
+    assert max_relative_error(checkpointed, baseline) <= 1e-6
+
+
+def test_checkpointing_runs_and_estimates_torchs_transformer_encoder():
+    # nn.TransformerEncoder's forward reads self.layers[0].self_attn through the wrapper.
+    losses = train(*ENCODER, "checkpointing=full", steps=2)[1].losses
+    assert losses == pytest.approx(train(*ENCODER, steps=2)[1].losses, rel=1e-6)
+    assert estimate(compose_train(*ENCODER, "checkpointing=full")).memory["peak_bytes"] > 0
+
+
+def test_bf16_evaluates_torchs_transformer_encoder_under_the_meter():
+    trainer, metrics = train(*ENCODER, "precision=bf16")
+    assert trainer.meter.report()["phases"]["eval"]["peak_bytes"] > 0  # measured, not skipped
+    assert metrics.eval_accuracy is not None
+    assert torch.backends.mha.get_fastpath_enabled()  # as it was before
+
+
+@pytest.mark.parametrize("overrides", [
+    ("checkpointing=full", "checkpointing.blocks=[*]"),
+    ("checkpointing=modules", "checkpointing.modules=[layers]"),
+    ("checkpointing=offload", "checkpointing.blocks=[layers]"),
+], ids=["star", "modules", "offload"])
+def test_a_container_with_no_forward_is_refused_naming_what_to_select(overrides):
+    key = overrides[1].partition("=")[0]
+    with pytest.raises(ValueError, match=rf"{key}: 'layers' is a ModuleList, a container with no "
+                                         rf"forward.*{key}=\['layers\.\*'\]"):
+        Trainer(compose_train(*LAYERS, *overrides))
+
+
+BART = ("model=hf", "model.arch=bart", "model.task=masked_lm", "+model.config.encoder_layers=2",
+        "+model.config.decoder_layers=2", "+model.config.d_model=32",
+        "+model.config.encoder_attention_heads=2", "+model.config.decoder_attention_heads=2",
+        "+model.config.encoder_ffn_dim=64", "+model.config.decoder_ffn_dim=64",
+        "+model.config.vocab_size=64", "+model.config.max_position_embeddings=64", *HF_DATA)
+
+
+def test_auto_takes_every_tied_group_of_blocks(tmp_path):
+    overrides = [*BART, "checkpointing=full", "trainer.max_steps=1", "logger=none"]
+    result = run_config(compose_train(*overrides), tmp_path, {"checkpointing": "full"},
+                        overrides, "test")
+    assert result["status"] == "ok"
+    assert result["techniques"]["blocks"]["checkpointing"] == {
+        "class": "BartEncoderLayer, BartDecoderLayer", "count": 4}
+    both = step_memory(*BART, "checkpointing=full",
+                       "checkpointing.blocks=[BartEncoderLayer,BartDecoderLayer]")
+    assert result["memory"]["saved_activations_bytes"] == both["saved_activations_bytes"]

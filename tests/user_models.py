@@ -69,3 +69,31 @@ def half_cross_entropy(outputs, batch) -> Tensor:
     """A loss of one's own: (outputs, batch) -> loss."""
     logits, targets = outputs.logits, batch[1]
     return 0.5 * F.cross_entropy(logits.flatten(0, -2), targets.flatten())
+
+
+# -- wrappers (issue 26: a module in two slots, nn.TransformerEncoder) ---------------------------
+class SharedLayer(LayerStack):
+    """LayerStack whose first and last slots hold one module: it runs twice per forward."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        shared = self.layers[0]
+        self.layers = nn.ModuleList([shared, self.layers[1], shared])
+
+
+class Encoder(nn.Module):
+    """torch's own nn.TransformerEncoder between an embedding (and a projection, so that under
+    autocast its input is in half precision) and a head. Its forward reads
+    `self.layers[0].self_attn.batch_first`; in eval each layer takes torch's fused fast path."""
+
+    def __init__(self, vocab_size: int = 64, width: int = 32, depth: int = 2, heads: int = 2):
+        super().__init__()
+        self.embed = nn.Embedding(vocab_size, width)
+        self.project = nn.Linear(width, width)
+        layer = nn.TransformerEncoderLayer(width, heads, 2 * width, dropout=0.1,
+                                           batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, depth, enable_nested_tensor=False)
+        self.head = nn.Linear(width, vocab_size)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        return self.head(self.encoder(self.project(self.embed(tokens))))

@@ -5,14 +5,17 @@ sharding and efficient_eval's `modules` all name their modules the same way, as 
 
 - `[auto]`: the largest group of same-class modules (with submodules of their own) that sit in an
   `nn.ModuleList` or `nn.Sequential`: GPT2Block, BertLayer, timm's BasicBlock and ConvNeXtBlock,
-  memexp's own blocks. Ties go to the class with more siblings in one container, then more
-  parameters;
+  memexp's own blocks. Ties go to the class with more siblings in one container; classes that
+  still tie are all taken (BART's encoder and decoder layers, two per side in a small config):
+  choosing one would leave the other half of the model unchanged;
 - class names, such as `[GPT2Block]` (every module of that class);
 - glob patterns over module names, such as `[transformer.h.*]` or `[layer*.*]`.
 
-Only the outermost matches count (`transformer.h.*` also matches each block's insides). Techniques
-wrap what they find in place, as torch's `apply_activation_checkpointing` does: the wrapper takes
-the module's place in its parent, and the model's own forward is untouched.
+Only the outermost matches count (`transformer.h.*` also matches each block's insides). A module
+held in several places (`ModuleList([shared, block, shared])`) is found at each of them: every
+call of it is a block. Techniques wrap what they find in place, as torch's
+`apply_activation_checkpointing` does: the wrapper takes the module's place in its parent, and the
+model's own forward is untouched.
 """
 
 from __future__ import annotations
@@ -34,6 +37,15 @@ class Wrapper(nn.Module):
     def __init__(self, inner: nn.Module):
         super().__init__()
         self.inner = inner
+
+    def __getattr__(self, name: str):
+        """Attributes the wrapper lacks are the inner module's, as in torch's CheckpointWrapper:
+        a model's forward may read its blocks' attributes (nn.TransformerEncoder reads
+        `self.layers[0].self_attn.batch_first`)."""
+        try:
+            return super().__getattr__(name)  # parameters, buffers and submodules: `inner`
+        except AttributeError:
+            return getattr(self.inner, name)
 
 
 def unwrapped(module: nn.Module) -> nn.Module:
@@ -80,28 +92,34 @@ def _has_children(module: nn.Module) -> bool:
     return next(unwrapped(module).children(), None) is not None
 
 
+def all_named_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every (name, module) of `model`, a module held in several places at each of them
+    (`named_modules()` names it once, and a technique would then miss its other calls)."""
+    return dict(model.named_modules(remove_duplicate=False))
+
+
 def auto_blocks(model: nn.Module) -> list[str]:
-    """Names of the largest group of same-class composite modules held in containers."""
-    members: dict[str, list[str]] = {}
-    siblings: Counter = Counter()
-    sizes: Counter = Counter()
-    for name, container in model.named_modules():
-        if isinstance(container, Wrapper) or not isinstance(container,
-                                                            (nn.ModuleList, nn.Sequential)):
-            continue
-        here: Counter = Counter()
-        for child_name, child in container.named_children():
-            if _has_children(child):
-                kind = class_name(child)
-                members.setdefault(kind, []).append(f"{name}.{child_name}".lstrip("."))
-                sizes[kind] += sum(p.numel() for p in child.parameters())
-                here[kind] += 1
-        for kind, count in here.items():
-            siblings[kind] = max(siblings[kind], count)
-    if not members:
+    """Names of the largest group (or groups, where they tie) of same-class composite modules
+    held in containers."""
+    modules = all_named_modules(model)
+    kinds: dict[str, str] = {}  # member name -> its class, in model order
+    here: Counter = Counter()  # (container, class) -> members in that container
+    for name, child in modules.items():
+        container = name.rpartition(".")[0]
+        if (name and not isinstance(modules[container], Wrapper)
+                and isinstance(modules[container], (nn.ModuleList, nn.Sequential))
+                and _has_children(child)):
+            kinds[name] = class_name(child)
+            here[container, kinds[name]] += 1
+    if not kinds:
         return []
-    best = max(members, key=lambda kind: (len(members[kind]), siblings[kind], sizes[kind]))
-    return outermost(members[best])
+    counts = Counter(kinds.values())
+    siblings: Counter = Counter()
+    for (_, kind), count in here.items():
+        siblings[kind] = max(siblings[kind], count)
+    best = max((counts[kind], siblings[kind]) for kind in counts)
+    return outermost([name for name, kind in kinds.items()
+                      if (counts[kind], siblings[kind]) == best])
 
 
 def repeating_classes(model: nn.Module) -> str:
@@ -125,7 +143,7 @@ def resolve_blocks(model: nn.Module, spec: Sequence[str], key: str) -> Blocks:
     if not spec:
         raise ValueError(f"{key}=[]: name the blocks: [auto], class names such as [GPT2Block], "
                          "or module-name globs such as [transformer.h.*]")
-    modules = {name: module for name, module in model.named_modules() if name}
+    modules = {name: module for name, module in all_named_modules(model).items() if name}
     if spec == [AUTO]:
         names = auto_blocks(model)
         if not names:

@@ -75,10 +75,21 @@ class Checkpointed(Wrapper):
                           context_fn=partial(_contexts, self.inner), **kwargs)
 
 
-def wrap_each(model: nn.Module, names: list[str], wrap) -> dict[str, nn.Module]:
-    """Put `wrap(module)` in the place of each named module; the wrappers, by name."""
+def wrap_each(model: nn.Module, names: list[str], wrap, key: str) -> dict[str, nn.Module]:
+    """Put `wrap(module)` in the place of each named module (one wrapper for a module named in
+    several places); the wrappers, by name. `key` is the option that named them."""
+    wrappers: dict[int, nn.Module] = {}
     for name in names:
-        replace_module(model, name, wrap(model.get_submodule(name)))
+        module = model.get_submodule(name)
+        if type(module).forward is nn.Module.forward:
+            raise ValueError(
+                f"{key}: {name!r} is a {type(module).__name__}, a container with no forward of "
+                "its own: the model's forward calls the modules inside it, which a wrapper "
+                f"around the container would not reach. Select those modules: {key}="
+                f"['{name}.*'], or [auto]")
+        if id(module) not in wrappers:
+            wrappers[id(module)] = wrap(module)
+        replace_module(model, name, wrappers[id(module)])
     return {name: model.get_submodule(name) for name in names}
 
 
@@ -117,7 +128,8 @@ class CheckpointBlocks:
 
     def apply(self, model: nn.Module) -> nn.Module:
         self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
-        self.changed = wrap_each(model, self.found.names[::self.every], Checkpointed)
+        self.changed = wrap_each(model, self.found.names[::self.every], Checkpointed,
+                                 "checkpointing.blocks")
         return model
 
     def context(self) -> AbstractContextManager:
@@ -140,7 +152,8 @@ class CheckpointModules:
             raise ValueError("checkpointing=modules needs the modules to checkpoint: "
                              "checkpointing.modules=[name,...]")
         self.found = resolve_blocks(model, self.modules, "checkpointing.modules")
-        self.changed = wrap_each(model, self.found.names, Checkpointed)
+        self.changed = wrap_each(model, self.found.names, Checkpointed,
+                                 "checkpointing.modules")
         return model
 
     def context(self) -> AbstractContextManager:
@@ -216,7 +229,8 @@ class OffloadActivations:
         if self.blocks is not None:
             self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
             self.changed = wrap_each(model, self.found.names,
-                                     lambda module: Offloaded(module, self))
+                                     lambda module: Offloaded(module, self),
+                                     "checkpointing.blocks")
         return model
 
     def context(self) -> AbstractContextManager:

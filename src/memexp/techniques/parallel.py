@@ -230,7 +230,7 @@ class FSDP(_OnProcessGroup):
         # gradients lose small contributions and can overflow.
         half = MixedPrecisionPolicy(param_dtype=autocast_dtype, reduce_dtype=torch.float32)
         self.found = resolve_blocks(model, self.blocks, "parallel.blocks")
-        for block in self.found.modules:
+        for block in dict.fromkeys(self.found.modules):  # a module in several places: once
             fully_shard(block, mp_policy=half, **shard)
         self.changed = dict(zip(self.found.names, self.found.modules, strict=True))
         self._model = fully_shard(model, mp_policy=half, **shard)

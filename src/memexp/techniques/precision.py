@@ -6,8 +6,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -157,8 +157,21 @@ class Autocast:
         self._scaler = grad_scaler(self._device_type, enabled=self.needs_all_grads)
         return model
 
-    def autocast(self) -> AbstractContextManager:
-        return torch.autocast(self._device_type, dtype=self._dtype)
+    @contextmanager
+    def autocast(self) -> Iterator[None]:
+        # Without nn.MultiheadAttention's fused fast path (nn.TransformerEncoderLayer in eval),
+        # as torch's own guard intends: it turns the path off under autocast, but asks only
+        # about CUDA's. Under CPU autocast the fused kernel gets half-precision inputs beside
+        # fp32 weights and relies on autocast re-dispatching its inner matmuls, which does not
+        # happen below a TorchDispatchMode (the meter's storage tracker): "expected m1 and m2 to
+        # have the same dtype". Off everywhere, a run measured and a run timed take one path.
+        enabled = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        try:
+            with torch.autocast(self._device_type, dtype=self._dtype):
+                yield
+        finally:
+            torch.backends.mha.set_fastpath_enabled(enabled)
 
     def cast_inputs(self, inputs: Tensor) -> Tensor:
         return inputs
