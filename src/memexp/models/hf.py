@@ -143,6 +143,7 @@ def config_keys(config_class: type, auto: type) -> set[str]:
     its default config, the aliases of its attribute_map, its constructor's arguments), and
     those its model's code reads with getattr or hasattr where the class has none
     (DeBERTa-v2's position_buckets, GPT-2's classifier_dropout)."""
+    # the module of the class that `auto` builds for this config (all of its heads live there)
     source = inspect.getsource(sys.modules[auto._model_mapping[config_class].__module__])
     read = re.findall(r"(?:getattr|hasattr)\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']", source)
     return {*config_class().to_dict(), *config_class.attribute_map,
@@ -155,10 +156,10 @@ def refuse_unknown_keys(built, overrides: dict, auto: type) -> None:
     known = config_keys(type(built), auto)
     loose = [key for key in overrides if key in vars(built) and key not in known]
     if loose:
-        key = loose[0]
+        key, others = loose[0], "".join(f", nor {other}" for other in loose[1:])
         close = difflib.get_close_matches(key, sorted(known), n=3)
         raise ValueError(
-            f"model.config.{key}: {type(built).__name__} has no key {key} (transformers "
+            f"model.config.{key}: {type(built).__name__} has no key {key}{others} (transformers "
             f"{_version()} would keep it unread, and the run would measure the model without "
             "it)." + (f" Did you mean {', '.join(close)}?" if close else "")
             + f" To set a key that code of your own reads, give it as +model.config_extra.{key}="
