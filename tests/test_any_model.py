@@ -5,6 +5,7 @@ the checks that refuse what cannot run."""
 from __future__ import annotations
 
 import functools
+import json
 import shlex
 import subprocess
 import sys
@@ -207,6 +208,103 @@ def test_pretrained_loads_a_local_folder_and_says_what_is_missing(tmp_path):
                                                  loaded.state_dict().values(), strict=True))
     with pytest.raises(FileNotFoundError, match=r"model.pretrained=.*no config.json there"):
         build_model(compose_train(*GPT2, f"model.pretrained={tmp_path / 'none'}").model)
+
+
+@pytest.fixture(scope="module")
+def gpt2_folders(tmp_path_factory) -> dict:
+    """save_pretrained folders of the tiny GPT-2: whole, and with all but 4 of its tensors
+    deleted from model.safetensors."""
+    from safetensors.torch import load_file, save_file
+
+    root = tmp_path_factory.mktemp("pretrained")
+    for name in ("whole", "partial"):
+        build_model(compose_train(*GPT2).model).save_pretrained(root / name)
+    weights = root / "partial" / "model.safetensors"
+    tensors = load_file(weights)
+    save_file({key: tensors[key] for key in sorted(tensors)[:4]}, weights,
+              metadata={"format": "pt"})
+    return {"whole": root / "whole", "partial": root / "partial", "total": len(tensors)}
+
+
+def test_pretrained_weights_that_do_not_fill_the_model_are_refused(gpt2_folders):
+    partial = f"model.pretrained={gpt2_folders['partial']}"
+    missing = gpt2_folders["total"] - 4 + 1  # and lm_head, tied to the missing embedding
+    with pytest.raises(ValueError, match=rf"{partial}: {missing} tensors missing from the folder "
+                       r"\(left at random\): lm_head.weight, .* and \d+ more\..*"
+                       r"model.pretrained_strict=false"):
+        build_model(compose_train(*GPT2, partial).model)
+    # a head the task adds to a checkpoint without it: missing too, and said so
+    with pytest.raises(ValueError, match=r": 1 tensor missing .*: score.weight\. A head that "
+                       r"model.task=sequence_classification adds"):
+        build_model(compose_train(*GPT2, f"model.pretrained={gpt2_folders['whole']}",
+                                  "model.task=sequence_classification").model)
+    # another vocabulary: the embedding is of another shape (transformers' own error would
+    # only point at its log)
+    with pytest.raises(ValueError, match=r": 1 tensor of another shape in the folder \(left at "
+                       r"random\): transformer.wte.weight: folder \(64, 32\), model \(80, 32\)\. "
+                       r"To train"):
+        build_model(compose_train(*GPT2, f"model.pretrained={gpt2_folders['whole']}",
+                                  "model.config.vocab_size=80").model)
+
+
+def test_weights_allowed_to_miss_are_in_result_json_and_the_summary(gpt2_folders, tmp_path):
+    overrides = [*GPT2, f"model.pretrained={gpt2_folders['partial']}",
+                 "model.pretrained_strict=false", "trainer.max_steps=1", "logger=none"]
+    result = run_config(compose_train(*overrides), tmp_path, {}, overrides, "test")
+    assert result["status"] == "ok"
+    load = json.loads((tmp_path / "result.json").read_text())["model_load"]
+    assert load["pretrained"] == str(gpt2_folders["partial"])
+    assert len(load["missing_keys"]) == gpt2_folders["total"] - 4 + 1
+    assert load["unexpected_keys"] == load["mismatched_keys"] == []
+    assert (f"weights      {gpt2_folders['partial']}: {len(load['missing_keys'])} tensors "
+            "missing from the folder (left at random): lm_head.weight") in summary(result, tmp_path)
+    # a whole folder: recorded as such
+    overrides = [*GPT2, f"model.pretrained={gpt2_folders['whole']}", "trainer.max_steps=1",
+                 "logger=none"]
+    result = run_config(compose_train(*overrides), tmp_path / "whole", {}, overrides, "test")
+    assert result["model_load"]["missing_keys"] == []
+    assert "every tensor of the model loaded" in summary(result, tmp_path / "whole")
+
+
+def test_a_config_key_the_architecture_does_not_know_is_refused(gpt2_folders):
+    says = (r"model.config.num_layers: GPT2Config has no key num_layers .* Did you mean "
+            r"n_layer, num_hidden_layers\? .* \+model.config_extra.num_layers=")
+    with pytest.raises(ValueError, match=says):
+        build_model(compose_train(*GPT2, "+model.config.num_layers=1").model)
+    with pytest.raises(ValueError, match=says):  # over a folder's config as well
+        build_model(compose_train(*GPT2, f"model.pretrained={gpt2_folders['whole']}",
+                                  "+model.config.num_layers=1").model)
+    # forced: set as given
+    forced = build_model(compose_train(*GPT2, "+model.config_extra.num_layers=1").model)
+    assert forced.config.num_layers == 1 and forced.config.n_layer == 2
+
+
+@pytest.mark.parametrize(("arch", "task", "keys", "reads"), [
+    # an alias of its attribute_map, and what its token head reads with hasattr
+    ("gpt2", "token_classification", {"num_hidden_layers": 1, "classifier_dropout": 0.2},
+     {"n_layer": 1, "classifier_dropout": 0.2}),
+    ("bert", "sequence_classification",
+     {"problem_type": "regression", "num_labels": 1, "pad_token_id": 1},
+     {"problem_type": "regression", "num_labels": 1, "pad_token_id": 1}),
+    # rope_theta: converted into rope_parameters, as a folder's config.json would have it
+    ("llama", "causal_lm", {"rope_theta": 500000.0, "num_key_value_heads": 2},
+     {"rope_parameters": {"rope_type": "default", "rope_theta": 500000.0},
+      "num_key_value_heads": 2}),
+    # keys the class lacks and its modeling code reads with getattr (DeBERTa-v3's config.json)
+    ("deberta-v2", "sequence_classification",
+     {"position_buckets": 256, "share_att_key": True, "norm_rel_ebd": "layer_norm"},
+     {"position_buckets": 256, "share_att_key": True, "norm_rel_ebd": "layer_norm"}),
+    ("t5", "base", {"num_layers": 1, "attn_implementation": "eager"},
+     {"num_layers": 1, "_attn_implementation": "eager"}),
+    ("vit", "image_classification", {"image_size": 32, "num_labels": 10},
+     {"image_size": 32, "num_labels": 10}),
+], ids=["gpt2", "bert", "llama", "deberta-v2", "t5", "vit"])
+def test_config_keys_of_real_architectures_are_taken(arch, task, keys, reads):
+    overrides = [f"model.arch={arch}", f"model.task={task}",
+                 *(f"+model.config.{k}={json.dumps(v)}" for k, v in keys.items())]
+    with torch.device("meta"):  # the full-size model's structure only
+        config = build_model(compose_train("model=hf", *overrides).model).config
+    assert {key: getattr(config, key) for key in reads} == reads
 
 
 def readme_commands(model: str) -> list[list[str]]:

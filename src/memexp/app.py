@@ -108,6 +108,8 @@ def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             log.info(f"note: {HALF_ON_CPU}")
         if trainer.blocks:  # what block-level techniques found (memexp.models.blocks)
             record.payload["techniques"]["blocks"] = trainer.blocks
+        if trainer.model_load:  # the tensors model.pretrained did and did not fill
+            record.payload["model_load"] = trainer.model_load
         trainer.fit(logger)
         record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
     except BaseException as error:

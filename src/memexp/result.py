@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from memexp.atomic import atomic_file
+from memexp.models.hf import load_warnings
 
 GROUPS = ("precision", "checkpointing", "optim", "parallel", "bn_mode")
 CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
@@ -228,6 +229,10 @@ def summary(result: dict, run_dir: Path | str) -> str:
     lines = [f"memexp run: {result['status']}  ({run_dir})", f"  techniques   {techniques}"]
     for group, found in (result["techniques"].get("blocks") or {}).items():
         lines.append(f"  blocks       {found['class']} x{found['count']} ({group})")
+    if result.get("model_load"):
+        load = result["model_load"]
+        lines.append(f"  weights      {load['pretrained']}: "
+                     f"{load_warnings(load) or 'every tensor of the model loaded'}")
     memory = result.get("memory")
     if memory and memory.get("oom"):
         lines.append(f"  OUT OF MEMORY in {memory['oom']['phase'] or 'an unknown phase'} at step "

@@ -30,6 +30,7 @@ from memexp.loss import Outputs, as_loss, call_model, shares
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
+from memexp.models import LOADED
 from memexp.prechecks import FirstForward, check_signature
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination
@@ -309,6 +310,9 @@ class Trainer:
                           cfg.trainer.checkpoint_every)
 
         model = build_model(cfg.model) if model is None else model
+        # What loading model.pretrained reported (memexp.models.hf), for the record; None
+        # where no weights were loaded.
+        self.model_load = LOADED.get(model)
         check_signature(model, self.data.first_batch(), self.loss.passes_labels)
         # The techniques, in this order:
         # 1. BatchNorm changes first: they need the model's raw Conv->BN structure.

@@ -9,6 +9,7 @@ model's repeated blocks themselves (memexp.models.blocks): no `blocks` attribute
 """
 
 from collections.abc import Mapping
+from weakref import WeakKeyDictionary
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,7 +18,12 @@ from memexp.models.mlp import MLP
 from memexp.models.resnet import ResNet
 from memexp.models.transformer import Transformer
 
-__all__ = ["MLP", "Blocks", "ResNet", "Transformer", "plain", "resolve_blocks"]
+__all__ = ["LOADED", "MLP", "Blocks", "ResNet", "Transformer", "plain", "resolve_blocks"]
+
+# What loading each model's pretrained weights reported (model=hf: memexp.models.hf.load_report),
+# by model, for the run's record. Kept beside the model, not on it, where its own code could
+# meet it.
+LOADED: WeakKeyDictionary = WeakKeyDictionary()
 
 
 def plain(keys: Mapping | None) -> dict:

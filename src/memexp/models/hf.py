@@ -9,11 +9,14 @@ transformers is imported only when such a model is built.
 from __future__ import annotations
 
 import difflib
+import inspect
+import re
+import sys
 from pathlib import Path
 
 from torch import nn
 
-from memexp.models import plain
+from memexp.models import LOADED, plain
 from memexp.quiet import quiet_torchao_import
 
 # model.task -> (the Auto class that adds the task's head, the name of its architecture table in
@@ -64,29 +67,37 @@ def _version() -> str:
     return transformers.__version__
 
 
-def hf_model(arch: str, task: str, config: dict | None = None, pretrained: str | None = None,
+def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dict | None = None,
+             pretrained: str | None = None, pretrained_strict: bool = True,
              gradient_checkpointing: bool = False) -> nn.Module:
     """The `task` model of architecture `arch` (a transformers model_type: gpt2, bert, llama...).
 
     config:      keys of that architecture's config class (n_layer, hidden_size, ...), over its
                  defaults; use_cache=false by default in training (a KV cache only holds memory
-                 there, and a checkpointed block's recomputation would extend it twice)
+                 there, and a checkpointed block's recomputation would extend it twice). A key
+                 that neither the class nor its model's code knows is refused (`config_keys`)
+    config_extra: keys set on the config as given, unchecked: for a key that code of your own
+                 reads from the config
     pretrained:  a local folder written by `save_pretrained` (config.json and the weights),
                  loaded with local_files_only; `config` keys still apply
+    pretrained_strict: refuse weights that do not fill the model exactly (tensors missing from
+                 the folder, unused or of another shape); false: train on them, and the run's
+                 record says which (`model_load`)
     gradient_checkpointing: the library's own gradient checkpointing (`activation_checkpointing_
                  enable()`, formerly gradient_checkpointing_enable), non-reentrant, to compare
                  with memexp's checkpointing (use one or the other)"""
     import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # transformers' modeling code imports torchao where it is installed: once, quietly, here
     with quiet_torchao_import():
         import transformers.modeling_utils  # noqa: F401
 
     check_choice(arch, task)
-    overrides = plain(config)
+    overrides, config_class = plain(config), CONFIG_MAPPING[arch]
     auto = getattr(transformers, TASKS[task][0])
     if pretrained is None:
-        model = auto.from_config(transformers.AutoConfig.for_model(arch, **overrides))
+        built = config_class(**overrides, **plain(config_extra))
     else:
         folder = Path(pretrained).expanduser()
         if not (folder / "config.json").is_file():
@@ -94,13 +105,87 @@ def hf_model(arch: str, task: str, config: dict | None = None, pretrained: str |
                 f"model.pretrained={pretrained}: no config.json there. Put a folder written by "
                 "`model.save_pretrained(folder)` (config.json and model.safetensors) there; "
                 "nothing is downloaded")
-        loaded = transformers.AutoConfig.from_pretrained(folder, local_files_only=True,
-                                                         **overrides)
-        if loaded.model_type != arch:
-            raise ValueError(f"model.pretrained={pretrained} holds a {loaded.model_type} model, "
-                             f"but model.arch={arch}")
-        model = auto.from_pretrained(folder, config=loaded, local_files_only=True)
+        saved, _ = config_class.get_config_dict(folder, local_files_only=True)
+        if saved.get("model_type") != arch:
+            raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
+                             f"model, but model.arch={arch}")
+        # The keys go in with the saved ones, as they do without a folder: from_pretrained's
+        # own overrides are set after the config is built, where what follows from them
+        # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
+        # converts (rope_theta) is dropped.
+        built = config_class.from_dict({**saved, **overrides, **plain(config_extra)})
+    refuse_unknown_keys(built, overrides, auto)
+    if pretrained is None:
+        model = auto.from_config(built)
+    else:
+        # Shapes that differ are reported with the rest rather than raised: transformers'
+        # own error points at its log.
+        model, loading = auto.from_pretrained(folder, config=built, local_files_only=True,
+                                              ignore_mismatched_sizes=True,
+                                              output_loading_info=True)
+        load = load_report(pretrained, loading)
+        if pretrained_strict and load_warnings(load):
+            head = (f" A head that model.task={task} adds to a checkpoint without it is "
+                    "missing this way too." if load["missing_keys"] else "")
+            raise ValueError(
+                f"model.pretrained={pretrained}: {load_warnings(load)}.{head} To train on these "
+                "weights as they are, model.pretrained_strict=false (the run's result.json "
+                "then lists them under model_load)")
+        LOADED[model] = load
     if gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def config_keys(config_class: type, auto: type) -> set[str]:
+    """The keys model.config may set: those of the architecture's config class (the fields of
+    its default config, the aliases of its attribute_map, its constructor's arguments), and
+    those its model's code reads with getattr or hasattr where the class has none
+    (DeBERTa-v2's position_buckets, GPT-2's classifier_dropout)."""
+    # the module of the class that `auto` builds for this config (all of its heads live there)
+    source = inspect.getsource(sys.modules[auto._model_mapping[config_class].__module__])
+    read = re.findall(r"(?:getattr|hasattr)\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']", source)
+    return {*config_class().to_dict(), *config_class.attribute_map,
+            *inspect.signature(config_class).parameters, *read}
+
+
+def refuse_unknown_keys(built, overrides: dict, auto: type) -> None:
+    """transformers keeps a key its config class neither defines nor converts as a loose
+    attribute, read by nothing: a misspelt n_layer would measure the default model."""
+    known = config_keys(type(built), auto)
+    loose = [key for key in overrides if key in vars(built) and key not in known]
+    if loose:
+        key, others = loose[0], "".join(f", nor {other}" for other in loose[1:])
+        close = difflib.get_close_matches(key, sorted(known), n=3)
+        raise ValueError(
+            f"model.config.{key}: {type(built).__name__} has no key {key}{others} (transformers "
+            f"{_version()} would keep it unread, and the run would measure the model without "
+            "it)." + (f" Did you mean {', '.join(close)}?" if close else "")
+            + f" To set a key that code of your own reads, give it as +model.config_extra.{key}="
+            f"... Its keys: {', '.join(sorted(k for k in known if not k.startswith('_')))}")
+
+
+# What loading model.pretrained reported, by kind, as the record says it.
+LOAD_WARNINGS = {"missing_keys": "missing from the folder (left at random)",
+                 "unexpected_keys": "in the folder that the model has not (unused)",
+                 "mismatched_keys": "of another shape in the folder (left at random)"}
+
+
+def load_report(pretrained: str, loading: dict) -> dict:
+    """from_pretrained's loading info (output_loading_info=True), for result.json."""
+    mismatched = [f"{key}: folder {tuple(saved)}, model {tuple(model)}"
+                  for key, saved, model in loading["mismatched_keys"]]
+    return {"pretrained": pretrained, "missing_keys": sorted(loading["missing_keys"]),
+            "unexpected_keys": sorted(loading["unexpected_keys"]),
+            "mismatched_keys": sorted(mismatched)}
+
+
+def load_warnings(load: dict, shown: int = 4) -> str:
+    """The record's load warnings in a line: by kind, their count and the first few; "" when
+    every tensor loaded."""
+    return "; ".join(
+        f"{len(load[kind])} tensor{'s' * (len(load[kind]) != 1)} {what}: "
+        + ", ".join(load[kind][:shown])
+        + (f" and {len(load[kind]) - shown} more" if len(load[kind]) > shown else "")
+        for kind, what in LOAD_WARNINGS.items() if load[kind])
