@@ -16,7 +16,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 
-from memexp import checkpoint
+from memexp import checkpoint, cli
 from memexp.app import run_config
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
@@ -32,6 +32,7 @@ from conftest import (
     job,
     preloaded_server_of,
     processes,
+    run_train_py,
     submitit_log_lines,
     train,
 )
@@ -184,6 +185,25 @@ def test_a_checkpoint_that_does_not_load_is_refused_and_the_record_kept(tmp_path
     assert {name: (run / name).read_bytes() for name in kept} == kept
     # As it says: started over, the run trains.
     assert job(run, *net, "trainer.max_steps=4", "trainer.resume=never")["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_rerun_refused_more_steps_is_not_reported_as_the_job(tmp_path):
+    """train.py, and the report of its folder: the refused rerun leaves the 2-step record, which
+    must not stand as the 4-step job's (its overrides differ only in trainer.max_steps)."""
+    settings = (*TINY, "trainer.checkpoint_every=2", "trainer.device=cpu",
+                "trainer.progress=false")
+    assert run_train_py(tmp_path, *settings, "trainer.max_steps=2").returncode == 0
+    newest = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    state = torch.load(newest, weights_only=True)
+    state["metrics"]["peak_note"] = None  # another memexp version's
+    torch.save(state, newest)
+    refused = run_train_py(tmp_path, *settings, "trainer.max_steps=4")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"memexp: {newest} was written by this run's config, but" in refused.stderr
+    assert cli.main(["report", str(tmp_path)]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "the job last launched here" in report and "trainer.max_steps=4) did not run" in report
 
 
 def test_checkpoints_keep_the_newest_and_skip_a_corrupt_one(tmp_path):
