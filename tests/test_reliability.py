@@ -145,6 +145,13 @@ def test_a_rerun_never_takes_another_runs_record_for_its_own(tmp_path):
     assert (run / "result.json").read_bytes() == kept
 
 
+def add_a_metric_of_another_version(path: Path) -> None:
+    """Save checkpoint `path` again with a metric that this memexp's Metrics does not have."""
+    state = torch.load(path, weights_only=True)
+    state["metrics"]["peak_note"] = None
+    torch.save(state, path)
+
+
 GROWN = """
 from torch import nn
 
@@ -174,9 +181,7 @@ def test_a_checkpoint_that_does_not_load_is_refused_and_the_record_kept(tmp_path
         monkeypatch.delitem(sys.modules, "grown_net")
         says = 'Missing key(s) in state_dict: "3.weight"'
     else:
-        state = torch.load(newest, weights_only=True)
-        state["metrics"]["peak_note"] = None
-        torch.save(state, newest)
+        add_a_metric_of_another_version(newest)
         says = "unexpected keyword argument 'peak_note'"
     with pytest.raises(ResumeRefused) as refused:
         job(run, *net, "trainer.max_steps=4")
@@ -195,9 +200,7 @@ def test_a_rerun_refused_more_steps_is_not_reported_as_the_job(tmp_path):
                 "trainer.progress=false")
     assert run_train_py(tmp_path, *settings, "trainer.max_steps=2").returncode == 0
     newest = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
-    state = torch.load(newest, weights_only=True)
-    state["metrics"]["peak_note"] = None  # another memexp version's
-    torch.save(state, newest)
+    add_a_metric_of_another_version(newest)
     refused = run_train_py(tmp_path, *settings, "trainer.max_steps=4")
     assert refused.returncode == 1 and "Traceback" not in refused.stderr
     assert f"memexp: {newest} was written by this run's config, but" in refused.stderr
