@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from memexp.config import config_dir
 
@@ -49,6 +49,15 @@ def one_thread() -> Iterator[None]:
 def compose_train(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose("train", overrides=[*CPU_SMALL, *overrides])
+
+
+def job(run_dir: Path, *overrides: str) -> dict:
+    """One run as train.py runs it (a resolved config, its folder held and checked first:
+    memexp.app.run_job), in this process."""
+    from memexp.app import Job, run_job
+
+    config = OmegaConf.to_container(compose_train(*overrides), resolve=True, enum_to_str=True)
+    return run_job(Job(config, run_dir, {}, list(overrides), run_dir.name))
 
 
 def run_train_py(tmp_path: Path, *overrides: str,

@@ -16,8 +16,9 @@ import torch
 from hydra import compose, initialize_config_dir
 from hydra.errors import ConfigCompositionException, InstantiationException
 
-from memexp import checkpoint
+from memexp import checkpoint, cli
 from memexp.app import run_config
+from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.loggers import NoLogger
 from memexp.result import record_killed
@@ -28,8 +29,10 @@ from conftest import (
     REPO,
     compose_train,
     freeze,
+    job,
     preloaded_server_of,
     processes,
+    run_train_py,
     submitit_log_lines,
     train,
 )
@@ -115,6 +118,95 @@ def test_a_resumed_run_repeats_an_uninterrupted_one_bitwise(tmp_path, workload):
     resumed = run_in(tmp_path, *workload, "trainer.max_steps=10", "trainer.checkpoint_every=3")
     assert resumed["metrics"]["resumed_from"] == [7]
     assert resumed["metrics"]["losses"] == straight.losses  # every step, bitwise
+
+
+TINY = ("model=mlp", "model.hidden=16", "model.depth=1", "data.batch_size=8",
+        "data.num_train=64", "data.num_eval=32")
+
+
+def test_a_rerun_never_takes_another_runs_record_for_its_own(tmp_path):
+    """Issue 26, #2: a run started over (trainer.resume=never) that wrote no checkpoint left the
+    earlier run's last one behind it, and a rerun of the earlier run took the later run's
+    record for its own, finished (with its 2 steps' figures, for 4 steps)."""
+    run = tmp_path / "run"
+    four = job(run, *TINY, "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    job(run, *TINY, "trainer.max_steps=2", "trainer.resume=never")
+    again = job(run, *TINY, "trainer.max_steps=4", "trainer.checkpoint_every=2")
+    assert again["metrics"]["losses"] == four["metrics"]["losses"]  # trained, all 4 steps
+    assert again["metrics"]["eval_accuracy"] == four["metrics"]["eval_accuracy"]
+    assert again["metrics"]["resumed_from"] == []  # the started-over run removed step 4
+    # A record that reports more steps than the checkpoint at max_steps (a resumed run that
+    # wrote no checkpoint) is not that checkpoint's run either: refused, not passed off.
+    job(run, *TINY, "trainer.max_steps=6", "trainer.checkpoint_every=0")
+    kept = (run / "result.json").read_bytes()
+    with pytest.raises(ResumeRefused, match=r"step_00000004.pt ends a run of this config at "
+                       r"step 4, but .*result.json is not that run's record \(it records 6 "):
+        job(run, *TINY, "trainer.max_steps=4")
+    assert (run / "result.json").read_bytes() == kept
+
+
+def add_a_metric_of_another_version(path: Path) -> None:
+    """Save checkpoint `path` again with a metric that this memexp's Metrics does not have."""
+    state = torch.load(path, weights_only=True)
+    state["metrics"]["peak_note"] = None
+    torch.save(state, path)
+
+
+GROWN = """
+from torch import nn
+
+class Net(nn.Sequential):
+    def __init__(self):
+        super().__init__(nn.Flatten(), {layers})
+"""
+
+
+@pytest.mark.parametrize("change", ["model", "metrics"])
+def test_a_checkpoint_that_does_not_load_is_refused_and_the_record_kept(tmp_path, monkeypatch,
+                                                                        change):
+    """Issue 26, #9: a checkpoint of this config that does not load into the run (the user's
+    Net gained a layer; metrics from another memexp version) is refused before the run writes
+    anything. It turned the folder's ok record into `failed`, steps 0."""
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "grown_net.py").write_text(GROWN.format(layers="nn.Linear(3072, 10)"))
+    run = tmp_path / "run"
+    net = ("model=custom", "model._target_=grown_net.Net", "data.batch_size=8",
+           "data.num_eval=32", "trainer.checkpoint_every=2")
+    assert job(run, *net, "trainer.max_steps=2")["status"] == "ok"
+    kept = {name: (run / name).read_bytes() for name in ("result.json", "metrics.csv")}
+    newest = run / "checkpoints" / "step_00000002.pt"
+    if change == "model":
+        (tmp_path / "grown_net.py").write_text(GROWN.format(
+            layers="nn.Linear(3072, 16), nn.ReLU(), nn.Linear(16, 10)"))
+        monkeypatch.delitem(sys.modules, "grown_net")
+        says = 'Missing key(s) in state_dict: "3.weight"'
+    else:
+        add_a_metric_of_another_version(newest)
+        says = "unexpected keyword argument 'peak_note'"
+    with pytest.raises(ResumeRefused) as refused:
+        job(run, *net, "trainer.max_steps=4")
+    assert f"{newest} was written by this run's config, but it does not load" in str(refused.value)
+    assert says in str(refused.value) and "trainer.resume=never" in str(refused.value)
+    assert {name: (run / name).read_bytes() for name in kept} == kept
+    # As it says: started over, the run trains.
+    assert job(run, *net, "trainer.max_steps=4", "trainer.resume=never")["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_rerun_refused_more_steps_is_not_reported_as_the_job(tmp_path):
+    """train.py, and the report of its folder: the refused rerun leaves the 2-step record, which
+    must not stand as the 4-step job's (its overrides differ only in trainer.max_steps)."""
+    settings = (*TINY, "trainer.checkpoint_every=2", "trainer.device=cpu",
+                "trainer.progress=false")
+    assert run_train_py(tmp_path, *settings, "trainer.max_steps=2").returncode == 0
+    newest = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
+    add_a_metric_of_another_version(newest)
+    refused = run_train_py(tmp_path, *settings, "trainer.max_steps=4")
+    assert refused.returncode == 1 and "Traceback" not in refused.stderr
+    assert f"memexp: {newest} was written by this run's config, but" in refused.stderr
+    assert cli.main(["report", str(tmp_path)]) == 1
+    report = (tmp_path / "report.md").read_text()
+    assert "the job last launched here" in report and "trainer.max_steps=4) did not run" in report
 
 
 def test_checkpoints_keep_the_newest_and_skip_a_corrupt_one(tmp_path):

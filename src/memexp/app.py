@@ -18,6 +18,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from memexp import distributed, errors, run_folder
+from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.find_batch import find_batch_size, set_batch_size
 from memexp.loggers import NoLogger, RunInfo
@@ -94,15 +95,19 @@ def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
     try:
         if rank == 0:  # only rank 0 logs
             logger = build(cfg.logger)
-        record.payload["logger"] = logger.start(RunInfo(
-            run_dir, record.payload["config"], record.payload["techniques"], group,
-            resume=cfg.trainer.resume == "auto"))
         if cfg.data.batch_size == "auto":  # the largest batch that fits, found by trying
             search = find_batch_size(cfg)
             set_batch_size(cfg, search.batch_size)
             record.payload["batch_search"] = search.as_dict()
             record.payload["config"] = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         trainer = Trainer(cfg, run_dir)
+        # Built, with the checkpoint it continues loaded: the run starts only now, so that a
+        # rerun refused while it is built (ResumeRefused) leaves the folder's record and its
+        # logger's run (the same wandb run) as they were.
+        record.payload["logger"] = logger.start(RunInfo(
+            run_dir, record.payload["config"], record.payload["techniques"], group,
+            resume=cfg.trainer.resume == "auto"))
+        record.start()
         record.payload["env"]["device_name"] = device_name(trainer.device)
         if rank == 0 and half_precision_on_cpu(record.payload):
             log.info(f"note: {HALF_ON_CPU}")
@@ -112,6 +117,8 @@ def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
             record.payload["model_load"] = trainer.model_load
         trainer.fit(logger)
         record.finish("ok", memory=ranks_memory(trainer), metrics=trainer.summary_metrics())
+    except ResumeRefused:
+        raise  # nothing was written; the refusal is the whole report (errors.Refused)
     except BaseException as error:
         status, cause = status_of(error), error
         memory = trainer.meter.report() if trainer is not None else None

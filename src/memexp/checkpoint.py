@@ -131,6 +131,12 @@ def save(folder: Path, step: int, state: dict, keep: int) -> Path:
     return path
 
 
+def remove_all(folder: Path) -> None:
+    """Remove every checkpoint in `folder` (none where there is no folder)."""
+    for path in checkpoints(folder) if folder.is_dir() else []:
+        path.unlink(missing_ok=True)  # missing_ok: the ranks of one run remove the same files
+
+
 def step_of(path: Path) -> int:
     return int(NAME.fullmatch(path.name).group(1))
 

@@ -161,7 +161,9 @@ def check_launched(folder: Path, record: dict) -> None:
     """BadRecord when a job folder's record is not of the job Hydra last launched there: a rerun
     that was refused (another config's checkpoint) leaves the earlier run's record, while
     Hydra's `.hydra/overrides.yaml` names the job that did not run. Run-length overrides may
-    differ (a no-op rerun keeps the record it found)."""
+    differ (a no-op rerun keeps the record it found), but not trainer.max_steps: a no-op rerun
+    is of the record's own steps (run_folder.finished_run), and one refused for more steps
+    (its checkpoint does not load) leaves a record of fewer."""
     launched = folder / ".hydra" / "overrides.yaml"
     if not launched.is_file():  # not a Hydra job folder (memexp plan --verify's)
         return
@@ -170,7 +172,10 @@ def check_launched(folder: Path, record: dict) -> None:
         return [o for o in overrides if not is_run_length_key(o.split("=")[0].lstrip("+~"))]
 
     overrides = OmegaConf.to_container(OmegaConf.load(launched))
-    if measured(overrides) != measured(record["overrides"]):
+    steps = OmegaConf.load(folder / ".hydra" / "config.yaml").trainer.max_steps  # written first
+    config = record.get("config")  # none in the launcher's record of a job killed at its start
+    if (measured(overrides) != measured(record["overrides"])
+            or config is not None and config["trainer"]["max_steps"] != steps):
         raise BadRecord(f"{folder / 'result.json'}: the record of an earlier run "
                         f"({' '.join(record['overrides'])}); the job last launched here "
                         f"({' '.join(overrides)}) did not run, and its log says why")

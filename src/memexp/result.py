@@ -120,7 +120,9 @@ def record_problem(record) -> str | None:
 
 
 class RunRecord:
-    """`path` None: a rank > 0 of a multi-rank run, whose record rank 0 writes."""
+    """A run's result.json, written when the run starts (`start`: status "running") and when
+    it ends (`finish`), or only then if it ends before it starts. `path` None: a rank > 0 of a
+    multi-rank run, whose record rank 0 writes."""
 
     def __init__(self, path: Path | None, config: dict, choices: dict[str, str],
                  overrides: list[str]):
@@ -142,6 +144,8 @@ class RunRecord:
             "started_at": now(),
             "finished_at": None,
         }
+
+    def start(self) -> None:
         self._write()
 
     def finish(self, status: str, memory: dict | None = None, metrics: dict | None = None,

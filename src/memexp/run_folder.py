@@ -7,10 +7,12 @@
   stale lock.
 - `finished_run(folder, config)`: what a rerun finds. Nothing to resume: it trains. A checkpoint
   of its own config with steps left: it resumes. The same run, finished `ok` at exactly
-  trainer.max_steps: there is nothing to train, and its record is returned and kept as it is.
-  Anything else (a checkpoint of another config, or one at or past trainer.max_steps without
-  that finished record) is refused before anything is written, so the folder's result.json is
-  never replaced by a rerun that trained nothing.
+  trainer.max_steps, its record reporting the steps of that very checkpoint: there is nothing
+  to train, and its record is returned and kept as it is. Anything else (a checkpoint of
+  another config, or one at or past trainer.max_steps without that finished record) is refused
+  before anything is written, so the folder's result.json is never replaced by a rerun that
+  trained nothing, nor passed off as a run it is not. (Trainer.load_checkpoint refuses the rest
+  before the run writes anything: a checkpoint that does not load into the run.)
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from memexp import checkpoint, errors
-from memexp.result import BadRecord, load_record
+from memexp.result import BadRecord, finite, load_record
 
 LOCK = ".memexp.lock"
 
@@ -80,7 +82,22 @@ def finished_run(folder: Path, config: dict) -> dict | None:
     if (record is not None and record["status"] == "ok" and mine == state.get("config")
             and checkpoint.fingerprint(record.get("config") or {}) == mine
             and state["step"] == config["trainer"]["max_steps"]):
-        return record
+        if records(record, state):
+            return record
+        # A later run in this folder replaced the record and left the checkpoint (it wrote
+        # none as late as this one): the record is another run's, not this run's result.
+        raise checkpoint.ResumeRefused(
+            f"{path} ends a run of this config at step {state['step']}, but "
+            f"{folder / 'result.json'} is not that run's record (it records "
+            f"{record['metrics'].get('steps')} steps): a later run in this folder replaced it. "
+            f"A run resumed from the checkpoint would train nothing. {checkpoint.WHAT_TO_DO}")
     checkpoint.check_resumable(path, state, config)
     return None
+
+
+def records(record: dict, state: dict) -> bool:
+    """`record` reports the steps that checkpoint `state` trained, and no others: the same
+    losses (as result.json holds them: NaN as null), from the same resumed steps."""
+    saved, reported = finite(state["metrics"]), record["metrics"]
+    return all(reported.get(key) == saved.get(key) for key in ("losses", "resumed_from"))
 

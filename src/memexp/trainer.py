@@ -350,6 +350,9 @@ class Trainer:
         self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
         self.metrics = Metrics()
+        # What the run continues from, loaded as it is built: before app.record_run writes
+        # anything, so that a rerun that cannot continue leaves its folder as it was.
+        self.resumed = self.load_checkpoint()
         # Off a terminal, where tqdm's bar is hidden: a progress line every few seconds.
         self.progress = progress_lines(cfg.trainer.max_steps,
                                        cfg.trainer.progress and self.parallel.rank == 0)
@@ -547,28 +550,55 @@ class Trainer:
         }
         return checkpoint.save(self.checkpoints, step, state, self.cfg.trainer.keep_checkpoints)
 
-    def resume(self) -> int:
-        """trainer.resume=auto: continue from the newest checkpoint of this run folder that
-        loads (a requeued or rerun job), if this run's config is the one that wrote it (else
-        ResumeRefused); returns the step it ends, or 0."""
-        if self.cfg.trainer.resume != "auto" or self.checkpoints is None:
-            return 0
+    def load_checkpoint(self) -> tuple[Path, int, dict] | None:
+        """trainer.resume=auto: load the newest checkpoint of this run folder that loads (a
+        requeued or rerun job) into the model, the optimizer, the precision and the metrics, if
+        this run can continue it (else ResumeRefused): this run's config wrote it, with steps
+        left, and it loads into this run (not a model whose code has changed since, nor metrics
+        of another memexp version). Returns its path, step and random states, for resume(), or
+        None. trainer.resume=never starts the folder over instead."""
+        if self.checkpoints is None:
+            return None
+        if self.cfg.trainer.resume != "auto":
+            # They are the checkpoints of the run whose record this one replaces. Left here, a
+            # later rerun would continue one of them, or take this run's record for theirs.
+            checkpoint.remove_all(self.checkpoints)
+            return None
         found = checkpoint.load_newest(self.checkpoints)
         if found is None:
-            return 0
+            return None
         path, state = found
         checkpoint.check_resumable(path, state, self.cfg)
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.precision.load_state_dict(state["precision"])
-        torch.set_rng_state(state["rng"]["torch"])
-        random.setstate(state["rng"]["python"])
-        if state["rng"]["cuda"]:
-            torch.cuda.set_rng_state_all(state["rng"]["cuda"])
-        self.metrics = Metrics(**state["metrics"])
-        self.metrics.resumed_from.append(state["step"])
-        log.info("resumed from %s (step %d)", path, state["step"])
-        return state["step"]
+        try:
+            self.metrics = Metrics(**state["metrics"])
+            self.model.load_state_dict(state["model"])
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.precision.load_state_dict(state["precision"])
+            random_states = state["rng"]
+        except (KeyError, TypeError, ValueError, RuntimeError) as error:
+            if is_out_of_memory(error):  # it would load where there is room: not a refusal
+                raise
+            raise checkpoint.ResumeRefused(
+                f"{path} was written by this run's config, but it does not load into this "
+                f"run: {type(error).__name__}: {error}\nThe model's code has changed since, or "
+                "another memexp version wrote it; a run continued from it would record two "
+                f"runs as one. {checkpoint.WHAT_TO_DO}") from error
+        return path, state["step"], random_states
+
+    def resume(self) -> int:
+        """Continue from the checkpoint that load_checkpoint() loaded: its random states go back
+        now, at the start of fit(), so that nothing drawn since the run was built moves them.
+        Returns the step it ends, or 0."""
+        if self.resumed is None:
+            return 0
+        path, step, random_states = self.resumed
+        torch.set_rng_state(random_states["torch"])
+        random.setstate(random_states["python"])
+        if random_states["cuda"]:
+            torch.cuda.set_rng_state_all(random_states["cuda"])
+        self.metrics.resumed_from.append(step)
+        log.info("resumed from %s (step %d)", path, step)
+        return step
 
     # -- memory --------------------------------------------------------------------------------
     def release_cached_memory(self, point: str) -> None:
