@@ -34,7 +34,7 @@ def required_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
     if option == "hf_local":
         import datasets
 
-        split = datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 4, "labels": [[2, 3]] * 4})
+        split = datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 8, "labels": [[2, 3]] * 8})
         datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "hf"))
         return [f"data.path={tmp_path / 'hf'}", "data.columns=[input_ids,labels]"]
     if option == "timm":

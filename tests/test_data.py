@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import itertools
+import re
 
 import pytest
 import torch
 from hydra.utils import instantiate
+from torch.utils.data import Dataset
 
 from memexp.data import TensorData, cifar10, mnist, synthetic_images, synthetic_tokens
 from memexp.data.readers import read_idx
 from memexp.loggers import NoLogger
-from memexp.trainer import Trainer
+from memexp.trainer import Trainer, build
 
 from conftest import compose_train, write_idx, write_tiny_cifar10, write_tiny_mnist
 
@@ -124,3 +126,86 @@ def test_real_data_runs_through_the_trainer(tmp_path):
                         "model.width=4", "trainer.max_steps=2")
     assert instantiate(cfg.data).batch_size == 10
     assert Trainer(cfg).fit(NoLogger()).eval_accuracy is not None
+
+
+class Ragged(Dataset):
+    """Token sequences of three lengths: items that torch's collate cannot stack."""
+
+    def __len__(self) -> int:
+        return 16
+
+    def __getitem__(self, index: int):
+        tokens = torch.arange(8 + index % 3)
+        return tokens, tokens
+
+
+class Words(Ragged):
+    def __getitem__(self, index: int):
+        return "a sentence", 3
+
+
+class ListsOfIds(Ragged):
+    def __getitem__(self, index: int):
+        return {"input_ids": [1, 2, 3, 4], "labels": [2, 3, 4, 5]}
+
+
+class Nothing(Ragged):
+    def __getitem__(self, index: int):
+        return None
+
+
+USER_DATA = ("data=dataset", "data.batch_size=4", "model=custom",
+             "model._target_=user_models.LayerStack")
+
+
+@pytest.mark.parametrize(("data", "says"), [
+    (("data.train._target_=test_data.Ragged",),
+     r"^data.train \(Ragged\): its items do not make a batch \(RuntimeError: stack expects each "
+     r"tensor to be equal size.*pad ragged ones in the dataset \(or, with data=dataset, in a "
+     r"data.collate_fn\)$"),
+    (("data.train._target_=test_data.Words",),
+     r"^data.train \(Words\): the batch's 'inputs' is a tuple of str, not a tensor\. Items must "
+     r"hold tensors or numbers"),
+    (("data.train._target_=test_data.ListsOfIds",),
+     r"^data.train \(ListsOfIds\): the batch's 'input_ids' is a list of Tensor, not a tensor"),
+    (("data.train._target_=test_data.Nothing",),
+     r"^data.train \(Nothing\): its items do not make a batch \(TypeError: .*NoneType"),
+    (("data.train._target_=user_models.Tokens", "data.eval={_target_: test_data.Ragged}"),
+     r"^data.eval \(Ragged\): its items do not make a batch"),  # found before any training
+    (("data.train._target_=user_models.Tokens",
+      "data.eval={_target_: user_models.Tokens, size: 0}"),
+     r"^data.eval \(Tokens\): it has no items; data.eval=null runs no evaluation$"),
+], ids=["ragged", "str", "lists", "none", "ragged-eval", "empty-eval"])
+def test_a_datasets_items_that_do_not_batch_into_tensors_are_named_once_built(data, says):
+    with pytest.raises(ValueError, match=says):
+        Trainer(compose_train(*USER_DATA, *data))
+
+
+def test_hf_local_names_a_split_of_strings_or_of_no_rows(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    ids = [[i % 64] * 8 for i in range(8)]
+    words = datasets.Dataset.from_dict({"input_ids": ids, "labels": ["no", "yes"] * 4})
+    numbers = datasets.Dataset.from_dict({"input_ids": ids, "labels": [0, 1] * 4})
+    saved = {"strings": {"train": words, "test": words},
+             "filtered": {"train": numbers, "test": numbers.filter(lambda row: False)},
+             # save_to_disk writes no data file for a split of no rows (datasets 5.2)
+             "selected": {"train": numbers, "test": numbers.select([])}}
+    for name, splits in saved.items():
+        datasets.DatasetDict(splits).save_to_disk(str(tmp_path / name))
+
+    def error(name: str) -> str:
+        with pytest.raises(ValueError) as raised:
+            build(compose_train("data=hf_local", f"data.path={tmp_path / name}",
+                                "data.columns=[input_ids,labels]", "data.batch_size=4").data)
+        return str(raised.value)
+
+    assert error("strings") == (
+        f"data.train_split=train of data.path={tmp_path / 'strings'}: the batch's 'labels' is a "
+        "list of str, not a tensor. Items must hold tensors or numbers: make a list of numbers a "
+        "tensor (torch.tensor), and strings numbers (class ids, token ids)")
+    assert error("filtered") == (f"data.eval_split=test of data.path={tmp_path / 'filtered'}: "
+                                 "the split has no rows; data.eval_split=null runs no evaluation")
+    assert re.fullmatch(  # or as "filtered", where datasets writes the split's data file
+        rf"data.path={tmp_path / 'selected'}: datasets could not load it \(IndexError: .*\); its "
+        r"split\(s\) \['test'\] were saved with no rows|data.eval_split=test of .*: the split "
+        r"has no rows; .*", error("selected"))

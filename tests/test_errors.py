@@ -4,15 +4,19 @@ real composition errors; HYDRA_FULL_ERROR=1 still gets the whole exception."""
 from __future__ import annotations
 
 import os
+import sys
 import traceback
 
 import pytest
+import torch
 from hydra.errors import HydraException
+from omegaconf import OmegaConf
 
 from memexp import errors
 from memexp.result import error_message
+from memexp.trainer import validate
 
-from conftest import compose_train
+from conftest import compose_train, fill, run_train_py, small_filesystem
 
 
 def composition_error(*overrides: str) -> HydraException:
@@ -71,3 +75,50 @@ def test_a_runs_summary_shows_the_whole_message_of_its_error_not_its_last_line()
         "FileNotFoundError: data.root=x: nothing there. Put these files in x:", "  a",
         "... (3 more lines)", "or point data.root at the folder that holds them."]
     assert error_message("rank 1 was killed (exit code -9)") == ["rank 1 was killed (exit code -9)"]
+
+
+@pytest.mark.parametrize("seed", [-2**63, 2**64 - 1])
+def test_trainer_seed_is_refused_where_torch_manual_seed_refuses_it(seed):
+    validate(compose_train(f"trainer.seed={seed}").trainer)
+    torch.Generator().manual_seed(seed)
+    beyond = seed - 1 if seed < 0 else seed + 1
+    with pytest.raises(ValueError, match=rf"^trainer.seed={beyond}: must be an integer from "
+                                         r"-2\*\*63 to 2\*\*64 - 1$"):
+        validate(compose_train(f"trainer.seed={beyond}").trainer)
+    with pytest.raises((OverflowError, RuntimeError, ValueError)):
+        torch.Generator().manual_seed(beyond)
+
+
+def test_a_number_longer_than_python_reads_is_one_line_not_hydras_traceback(tmp_path,
+                                                                            monkeypatch):
+    seed = "trainer.seed=" + "9" * 5000
+    told = ("memexp: trainer.seed=99999999999999999999... (5000 digits): a number longer than "
+            "Python reads (4300 digits), and than any key takes\n")
+    ran = run_train_py(tmp_path, "model=mlp", seed)
+    assert (ran.returncode, ran.stderr, ran.stdout) == (1, told, "")
+    monkeypatch.setattr(sys, "argv", ["train.py", seed])
+    monkeypatch.setenv(errors.FULL_ERROR, "1")  # Hydra's own parser gets it, traceback and all
+    hydra_ran = []
+    errors.main(lambda: hydra_ran.append(True))
+    assert hydra_ran
+
+
+def test_a_full_disk_at_the_start_names_the_run_folder_and_the_key(tmp_path):
+    with small_filesystem(tmp_path / "run") as run:
+        fill(run)
+        ran = run_train_py(tmp_path, "model=mlp")
+        assert (ran.returncode, ran.stderr, ran.stdout) == (1, (
+            f"memexp: {run}: no space left on device, the disk is full. Free some space there, "
+            "or point hydra.run.dir at a folder on another disk\n"), "")
+        # A sweep's folder, where Hydra's sweeper first writes multirun.yaml: its error names
+        # no file either.
+        errors.RunFolder().on_multirun_start(OmegaConf.create({"hydra": {"sweep": {"dir": run}}}))
+        fd = os.open(run / "multirun.yaml", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(SystemExit, match=rf"^memexp: {run}: no space left on device, the "
+                                             "disk is full.*point hydra.sweep.dir at"):
+            try:
+                os.write(fd, b"x" * 8192)
+            except OSError as error:
+                errors.exit_if_disk_full(error)
+            finally:
+                os.close(fd)

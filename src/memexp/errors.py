@@ -5,6 +5,8 @@ Left to itself, Hydra prints a composition error with its config search path. A 
 and at the end of a traceback. `train.py` goes through `main` below instead: a composition error
 becomes `memexp: <what>` plus the valid choices, and a run that stopped on bad input ends with
 its summary alone (its `error` line says what was wrong; the traceback is in result.json).
+A full disk ends it in one line too, with the folder (`exit_if_disk_full`), and so does an
+override with a number longer than Python reads (`refuse_long_numbers`).
 `HYDRA_FULL_ERROR=1` still gives Hydra's own report, traceback and all. `memexp`'s subcommands
 describe their errors with `describe` too. How a process stops is here as well: quietly when its
 reader left (`reader_left`), at once when its work is done (`exit_done`).
@@ -12,7 +14,9 @@ reader left (`reader_left`), at once when its work is done (`exit_done`).
 
 from __future__ import annotations
 
+import errno
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator
@@ -20,6 +24,8 @@ from contextlib import contextmanager
 from typing import NoReturn
 
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
@@ -70,12 +76,18 @@ def first_line(text: str) -> str:
     return text.strip().splitlines()[0] if text.strip() else text
 
 
+def abbreviated(number: str) -> str:
+    """A number as a message shows it: its first digits and its length, where it is long."""
+    return number if len(number) <= 24 else f"{number[:20]}... ({len(number)} digits)"
+
+
 def main(hydra_main: Callable[[], None]) -> None:
     """Run a `hydra.main` function; bad config input ends it with `memexp: <what>` (exit 1)."""
     global _borrowed
     if full_error_wanted():
         hydra_main()
         return
+    refuse_long_numbers(sys.argv[1:])
     # HYDRA_FULL_ERROR makes Hydra re-raise instead of printing its own report, so that the
     # error reaches this function whole.
     before, os.environ[FULL_ERROR], _borrowed = os.environ.get(FULL_ERROR), "1", True
@@ -83,11 +95,54 @@ def main(hydra_main: Callable[[], None]) -> None:
         hydra_main()
     except (HydraException, OmegaConfBaseException) as error:
         sys.exit(f"memexp: {describe(error)}")
+    except OSError as error:
+        exit_if_disk_full(error)
+        raise
     finally:
         os.environ.pop(FULL_ERROR)
         if before is not None:
             os.environ[FULL_ERROR] = before
         _borrowed = False
+
+
+def refuse_long_numbers(overrides: list[str]) -> None:
+    """Hydra reads an override's integer with int(), whose ValueError for more digits than
+    Python converts (sys.get_int_max_str_digits) escapes its parser as a bare traceback."""
+    limit = sys.get_int_max_str_digits()
+    for override in overrides:
+        key, _, value = override.partition("=")
+        digits = re.search(rf"\d{{{limit + 1},}}", value)
+        if digits:
+            sys.exit(f"memexp: {key.lstrip('+~')}={abbreviated(digits.group())}: a number longer "
+                     f"than Python reads ({limit} digits), and than any key takes")
+
+
+# The key of the folder this process's run or sweep writes in, and the folder (RunFolder).
+_folder = ("hydra.run.dir", "the run folder")
+
+
+class RunFolder(Callback):
+    """Notes the folder a run or a sweep writes in, for `exit_if_disk_full`: Hydra's first writes
+    there (its .hydra/ config files, multirun.yaml) name no file when the disk is full, and
+    Hydra has forgotten the folder by the time their error reaches `main`."""
+
+    def on_run_start(self, config: DictConfig, **kwargs) -> None:
+        global _folder
+        _folder = ("hydra.run.dir", os.path.abspath(str(config.hydra.run.dir)))
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        global _folder
+        _folder = ("hydra.sweep.dir", os.path.abspath(str(config.hydra.sweep.dir)))
+
+
+def exit_if_disk_full(error: OSError) -> None:
+    """A write that found its disk full ends the process in one line: the folder, and the key
+    that moves it."""
+    if error.errno == errno.ENOSPC:
+        key, folder = _folder
+        raise SystemExit(f"memexp: {error.filename or folder}: no space left on device, the "
+                         f"disk is full. Free some space there, or point {key} at a folder on "
+                         "another disk") from None
 
 
 def reader_left() -> NoReturn:
@@ -125,8 +180,8 @@ def exit_now(code: int) -> NoReturn:
 @contextmanager
 def summarized_bad_input() -> Iterator[None]:
     """Around a single run whose failures its summary has told already: one that stopped on
-    bad input exits 1 with nothing more; one refused before it began exits 1 with its message.
-    Any other error keeps its traceback."""
+    bad input exits 1 with nothing more; one refused before it began exits 1 with its message,
+    and one whose disk is full with the folder. Any other error keeps its traceback."""
     if full_error_wanted():
         yield
         return
@@ -136,3 +191,6 @@ def summarized_bad_input() -> Iterator[None]:
         raise SystemExit(f"memexp: {error}") from None
     except BAD_INPUT:
         raise SystemExit(1) from None
+    except OSError as error:  # before Hydra adds its "Error executing job" line
+        exit_if_disk_full(error)
+        raise

@@ -26,6 +26,7 @@ from memexp import checkpoint
 from memexp.baseline import BASELINE_GROUPS, baseline_config
 from memexp.data import Batch, Data
 from memexp.data.tensors import map_batch, map_inputs
+from memexp.errors import abbreviated
 from memexp.loss import Outputs, as_loss, call_model, shares
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
@@ -118,6 +119,10 @@ def validate(trainer: DictConfig) -> None:
     for key, least in minimum.items():
         if trainer[key] < least:
             raise ValueError(f"trainer.{key}={trainer[key]}: must be >= {least}")
+    # torch.manual_seed's range (it takes a negative seed as its 64-bit two's complement)
+    if not -2**63 <= trainer.seed < 2**64:
+        raise ValueError(f"trainer.seed={abbreviated(str(trainer.seed))}: must be an integer "
+                         "from -2**63 to 2**64 - 1")
 
 
 def memory_budget(memory: DictConfig) -> int | None:
