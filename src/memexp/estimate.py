@@ -17,9 +17,15 @@ Before tracing, what values decide is checked for real (memexp.prechecks.dry_run
 keys, token ids and positions against every embedding, targets against the model's classes. A
 config that a real run would refuse gets the same error, not a number.
 
+The batches are real, and so is every op on them alone (_Values): what their values decide
+goes as in the real run. Only what the model computes from its parameters is fake.
+
 Where the estimate and a real run can differ:
-- values are unknown: a Python branch on a tensor's value (`loss.item()`, a found-inf check)
-  sees 0, or True for a boolean, so a fake fp16 step is never skipped;
+- the model's values are unknown: a Python branch on one (`loss.item()`, a found-inf check)
+  sees 0, or True for a boolean, so a fake fp16 step is never skipped; an op whose output's
+  size depends on one (`nonzero` on activations) is refused. On a CUDA trace the batch's copy
+  on the device is fake too: a Hugging Face model then builds its attention mask even where
+  the batch has no padding (it never reads a fake mask);
 - with the CPU stand-in, CUDA's choices are not seen: its autocast op lists, its attention
   kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
   norm, fused optimizers;
@@ -33,7 +39,7 @@ import linecache
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -107,18 +113,25 @@ class _Values(TorchDispatchMode):
             self.fake.fake_tensor_converter.meta_converter.tensor_memo.clear()
 
     def _on_real_data(self, args, kwargs) -> bool:
-        tensors = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, torch.Tensor)]
-        if any(isinstance(t, FakeTensor) for t in tensors):
+        leaves = arg_tree_leaves(*args, **kwargs)
+        if any(isinstance(leaf, FakeTensor)
+               or isinstance(leaf, torch.device) and leaf.type != "cpu"  # a copy to the GPU
+               for leaf in leaves):
             return False
-        device = kwargs.get("device")
-        if device is not None and torch.device(device).type != "cpu":
-            return False  # the batch's copy to a (fake) GPU
-        return bool(tensors) or self.making_batches
+        return self.making_batches or any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+    def make(self, batch: Callable[[], Batch]) -> Batch:
+        """`batch()`, made for real: its factory ops too (a sample order, an index range)."""
+        self.making_batches = True
+        try:
+            return batch()
+        finally:
+            self.making_batches = False
 
 
 class _MadeForReal:
-    """The batches of `made`, made for real (_Values). An iterator, not a generator: a
-    generator would hold the batch it yielded last, which the run has freed by then."""
+    """The batches of `made`, made for real. An iterator, not a generator: a generator would
+    hold the batch it yielded last, which the run has freed by then."""
 
     def __init__(self, made: Iterator[Batch], values: _Values):
         self.made, self.values = made, values
@@ -127,11 +140,7 @@ class _MadeForReal:
         return self
 
     def __next__(self) -> Batch:
-        self.values.making_batches = True
-        try:
-            return next(self.made)
-        finally:
-            self.values.making_batches = False
+        return self.values.make(self.made.__next__)
 
 
 @dataclass
@@ -151,7 +160,7 @@ class _RealBatches:
         return _MadeForReal(self.data.eval_batches(rank, world_size), self.values)
 
     def first_batch(self) -> Batch:
-        return next(_MadeForReal(iter([self.data.first_batch()]), self.values))
+        return self.values.make(self.data.first_batch)
 
 
 def value_dependent_shape(func) -> str:
@@ -356,12 +365,14 @@ def stand_in_data(data: DictConfig) -> DictConfig:
     """The data set, generated for real: under fake tensors every op of a generator costs
     about half a millisecond. Token values never change memory, so a synthetic token set is
     drawn from 64 words (its rule table is vocabulary squared: 20 GB at 50k words); the model
-    keeps its own vocabulary. Batches are made in this process (no loader workers)."""
+    keeps its own vocabulary. Batches are made for real in this process (no loader workers),
+    in pageable memory: pinning needs the device, which a CUDA trace's fake one refuses, and
+    host memory is not the device's."""
     stand_in = OmegaConf.create(OmegaConf.to_container(data, resolve=True))
     if stand_in._target_ == target_path(synthetic_tokens):
         stand_in.vocab_size = min(stand_in.vocab_size, 64)
     if "num_workers" in stand_in:
-        stand_in.num_workers = 0
+        stand_in.update(num_workers=0, pin_memory=False)
     return stand_in
 
 
