@@ -83,15 +83,23 @@ def test_what_the_batch_s_values_decide_is_estimated_to_the_byte(overrides):
     assert predicted["breakdown_at_peak"] == real["breakdown_at_peak"]
 
 
-def test_an_op_whose_output_size_depends_on_the_model_s_values_is_refused_where_it_runs(capsys):
-    assert cli.main(["estimate", "model=custom", "model._target_=user_models.Routed",
+@pytest.mark.parametrize("model, refusal", [
+    ("user_models.Routed", "aten.nonzero.default in Routed.forward ("),
+    ("user_models.ReadsValues +model.op=unique_consecutive",
+     "aten.unique_consecutive.default in ReadsValues.forward ("),
+    ("user_models.ReadsValues +model.op=equal", "aten.equal.default in ReadsValues.forward ("),
+], ids=["nonzero", "unique_consecutive", "equal"])
+def test_an_op_whose_output_depends_on_the_model_s_values_is_refused_where_it_runs(
+        model, refusal, capsys):
+    target, *options = model.split()
+    assert cli.main(["estimate", "model=custom", f"model._target_={target}", *options,
                      "data=tokens", "data.seq_len=16", *HF_SMALL_DATA, *CPU_SMALL]) == 2
     err = capsys.readouterr().err
     assert "Traceback" not in err
-    assert err.splitlines()[-1].startswith(
-        "memexp estimate: aten.nonzero.default in Routed.forward (")
-    assert "user_models.py, line " in err
-    assert ": routed[first] = self.layers[0](x[first])): the size of its output depends" in err
+    assert err.splitlines()[-1].startswith(f"memexp estimate: {refusal}")
+    assert "user_models.py, line " in err and " depends on values the estimate does not" in err
+    if target == "user_models.Routed":
+        assert ": routed[first] = self.layers[0](x[first])): the size of its output" in err
 
 def test_a_billion_parameter_model_is_estimated_without_allocating_it():
     result = estimate(compose_config(["experiment=gpt_1b", "precision=bf16"]))

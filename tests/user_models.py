@@ -59,6 +59,23 @@ class Routed(LayerStack):
         routed[~first] = self.layers[1](x[~first])
         return self.head(routed), routed
 
+
+class ReadsValues(LayerStack):
+    """Reads its activations' values: `unique_consecutive` (the size of its output depends on
+    them) or `equal` (its answer does)."""
+
+    def __init__(self, op: str, **kwargs):
+        super().__init__(**kwargs)
+        self.op = op
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.embed(tokens)
+        if self.op == "unique_consecutive":
+            x = x * len(torch.unique_consecutive(x.argmax(-1)))
+        elif torch.equal(x[0], x[-1]):
+            x = x * 2
+        return self.head(x), x
+
 class Tokens(Dataset):
     """`size` pairs (tokens, next tokens) of a counting sequence with noise, made from the index
     alone, so that every worker process makes the same items."""

@@ -85,8 +85,9 @@ class _Values(TorchDispatchMode):
     copy to the GPU.
 
     A fake tensor's value is unknown: reading one (`.item()`, `bool(t)`) gives 0, or True for a
-    boolean (a finite-check passes). An op whose output's shape depends on a fake tensor's
-    values (`nonzero`, `unique`) is refused, naming the op and where the model ran it."""
+    boolean (a finite-check passes). Any other op whose output depends on a fake tensor's
+    values (`nonzero` and `unique` for their size, `equal`) is refused, naming the op and
+    where the model runs it."""
 
     def __init__(self, fake: FakeTensorMode):
         super().__init__()
@@ -100,12 +101,12 @@ class _Values(TorchDispatchMode):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             return func(*args, **kwargs)
-        except DataDependentOutputException:
-            if func not in _SCALAR_READS:
-                raise
+        except DataDependentOutputException as error:
+            if func not in _SCALAR_READS:  # aten.equal: a Python value from two tensors
+                raise ValueError(value_dependent(error.func, "what it returns")) from error
             return True if args[0].dtype == torch.bool else 0
         except DynamicOutputShapeException as error:
-            raise ValueError(value_dependent_shape(error.func)) from error
+            raise ValueError(value_dependent(error.func, "the size of its output")) from error
         finally:
             # FakeTensorMode memoizes each output through a weak reference, and torch refuses
             # to swap a module's parameters (`model.half()`, `model.to()`) while one exists.
@@ -163,9 +164,9 @@ class _RealBatches:
         return self.values.make(self.data.first_batch)
 
 
-def value_dependent_shape(func) -> str:
-    """Why an op stops the trace, and where the model runs it: the innermost module method
-    that called it."""
+def value_dependent(func, what: str) -> str:
+    """Why an op stops the trace (`what` it gives depends on values), and where the model
+    runs it: the innermost module method that called it."""
     where = ""
     for frame, line in traceback.walk_stack(None):
         module = frame.f_locals.get("self")
@@ -174,7 +175,7 @@ def value_dependent_shape(func) -> str:
             where = (f" in {type(module).__name__}.{frame.f_code.co_name} "
                      f"({frame.f_code.co_filename}, line {line}: {code})")
             break
-    return (f"{func}{where}: the size of its output depends on values the estimate does not "
+    return (f"{func}{where}: {what} depends on values the estimate does not "
             "have (it has the batch's own, on the host, and none that the model computes). "
             "Measure this run for real (python train.py with the same overrides), or configure "
             "the model so that training does not run this op (a Hugging Face model may have a "
