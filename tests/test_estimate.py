@@ -20,6 +20,15 @@ SMALL_RESNET = ("model.width=8", "model.blocks_per_stage=[1,1,1,1]", "data.image
                 "data.batch_size=8", "data.num_train=64", "data.num_eval=16")
 SMALL_GPT = ("model=transformer", "model.n_layers=2", "data.batch_size=8", "data.num_train=64",
              "data.num_eval=16")
+HF_SMALL_DATA = ("data.batch_size=4", "data.num_train=32", "data.num_eval=8")
+LLAMA = ("model=hf", "model.arch=llama", "model.task=causal_lm", "+model.config.hidden_size=64",
+         "+model.config.num_hidden_layers=2", "+model.config.num_attention_heads=4",
+         "+model.config.intermediate_size=128", "+model.config.vocab_size=256", "data.seq_len=64",
+         *HF_SMALL_DATA)
+DEBERTA = ("model=hf", "model.arch=deberta-v2", "model.task=sequence_classification",
+           "+model.config.hidden_size=32", "+model.config.num_hidden_layers=2",
+           "+model.config.num_attention_heads=2", "+model.config.intermediate_size=64",
+           "+model.config.vocab_size=64", "data.seq_len=32", *HF_SMALL_DATA)
 
 # Each built-in model, and every option of each technique group at least once.
 CASES = {
@@ -59,6 +68,38 @@ def test_estimate_is_within_3_percent_of_the_measured_cpu_peak(overrides):
     for category, nbytes in real["breakdown_at_peak"].items():
         assert abs(predicted["breakdown_at_peak"][category] - nbytes) <= 0.03 * real["peak_bytes"]
 
+
+
+# The batches are real under the trace, so what their values decide goes as in the real run:
+# Llama's unpadded mask is all ones, which Hugging Face skips (SDPA's is_causal, no 4D mask)
+# only where it can read the mask; DeBERTa-v2's loss picks its labelled rows with nonzero.
+@pytest.mark.parametrize("overrides", [(*LLAMA, "data.padding=0"), DEBERTA],
+                         ids=["llama unpadded", "deberta-v2 classification"])
+def test_what_the_batch_s_values_decide_is_estimated_to_the_byte(overrides):
+    cfg = compose_train("trainer.max_steps=2", *overrides)
+    predicted, real = estimate(cfg).memory, measured(cfg)
+    assert (predicted["peak_bytes"], predicted["peak_phase"]) == (real["peak_bytes"],
+                                                                  real["peak_phase"])
+    assert predicted["breakdown_at_peak"] == real["breakdown_at_peak"]
+
+
+@pytest.mark.parametrize("model, refusal", [
+    ("user_models.Routed", "aten.nonzero.default in Routed.forward ("),
+    ("user_models.ReadsValues +model.op=unique_consecutive",
+     "aten.unique_consecutive.default in ReadsValues.forward ("),
+    ("user_models.ReadsValues +model.op=equal", "aten.equal.default in ReadsValues.forward ("),
+], ids=["nonzero", "unique_consecutive", "equal"])
+def test_an_op_whose_output_depends_on_the_model_s_values_is_refused_where_it_runs(
+        model, refusal, capsys):
+    target, *options = model.split()
+    assert cli.main(["estimate", "model=custom", f"model._target_={target}", *options,
+                     "data=tokens", "data.seq_len=16", *HF_SMALL_DATA, *CPU_SMALL]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.splitlines()[-1].startswith(f"memexp estimate: {refusal}")
+    assert "user_models.py, line " in err and " depends on values the estimate does not" in err
+    if target == "user_models.Routed":
+        assert ": routed[first] = self.layers[0](x[first])): the size of its output" in err
 
 def test_a_billion_parameter_model_is_estimated_without_allocating_it():
     result = estimate(compose_config(["experiment=gpt_1b", "precision=bf16"]))

@@ -48,6 +48,34 @@ class CopiedBlocks(LayerStack):
         self.blocks = copy.deepcopy(nn.Sequential(*self.layers))
 
 
+class Routed(LayerStack):
+    """Each token goes through one of two layers, picked by its own activations (a mixture of
+    experts): which tokens, and how many, each layer gets depends on the model's values."""
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.embed(tokens)
+        routed, first = torch.zeros_like(x), x.sum(-1) > 0
+        routed[first] = self.layers[0](x[first])
+        routed[~first] = self.layers[1](x[~first])
+        return self.head(routed), routed
+
+
+class ReadsValues(LayerStack):
+    """Reads its activations' values: `unique_consecutive` (the size of its output depends on
+    them) or `equal` (its answer does)."""
+
+    def __init__(self, op: str, **kwargs):
+        super().__init__(**kwargs)
+        self.op = op
+
+    def forward(self, tokens: Tensor) -> tuple[Tensor, Tensor]:
+        x = self.embed(tokens)
+        if self.op == "unique_consecutive":
+            x = x * len(torch.unique_consecutive(x.argmax(-1)))
+        elif torch.equal(x[0], x[-1]):
+            x = x * 2
+        return self.head(x), x
+
 class Tokens(Dataset):
     """`size` pairs (tokens, next tokens) of a counting sequence with noise, made from the index
     alone, so that every worker process makes the same items."""

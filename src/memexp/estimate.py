@@ -17,9 +17,15 @@ Before tracing, what values decide is checked for real (memexp.prechecks.dry_run
 keys, token ids and positions against every embedding, targets against the model's classes. A
 config that a real run would refuse gets the same error, not a number.
 
+The batches are real, and so is every op on them alone (_Values): what their values decide
+goes as in the real run. Only what the model computes from its parameters is fake.
+
 Where the estimate and a real run can differ:
-- values are unknown: a Python branch on a tensor's value (`loss.item()`, a found-inf check)
-  sees 0, or True for a boolean, so a fake fp16 step is never skipped;
+- the model's values are unknown: a Python branch on one (`loss.item()`, a found-inf check)
+  sees 0, or True for a boolean, so a fake fp16 step is never skipped; an op whose output's
+  size depends on one (`nonzero` on activations) is refused. On a CUDA trace the batch's copy
+  on the device is fake too: a Hugging Face model then builds its attention mask even where
+  the batch has no padding (it never reads a fake mask);
 - with the CPU stand-in, CUDA's choices are not seen: its autocast op lists, its attention
   kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
   norm, fused optimizers;
@@ -29,8 +35,11 @@ Where the estimate and a real run can differ:
 
 from __future__ import annotations
 
+import linecache
 import time
+import traceback
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 
@@ -39,13 +48,21 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
+from torch._subclasses.fake_tensor import (
+    DataDependentOutputException,
+    DynamicOutputShapeException,
+    FakeTensor,
+    FakeTensorMode,
+    unset_fake_temporarily,
+)
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import arg_tree_leaves
 from torch.utils.flop_counter import flop_registry
 
 from memexp import cudatrace
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
+from memexp.data.tensors import Batch, Data
 from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
 from memexp.loss import as_loss
@@ -58,26 +75,111 @@ from memexp.trainer import Trainer, build, build_model, first_steps
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 
 
-class _UnknownValues(TorchDispatchMode):
-    """Above FakeTensorMode: what a fake tensor's value would be is unknown, so reading one
-    (`.item()`, `bool(t)`) gives 0, or True for a boolean (a finite-check passes)."""
+class _Values(TorchDispatchMode):
+    """Above FakeTensorMode: the batches are made for real, and every op on real tensors alone
+    runs for real, so that what the batch's values decide goes as in the real run. A Hugging
+    Face model skips an all-ones attention mask only where it can read it (it never reads a
+    fake tensor, and would otherwise build the padded run's mask), and a loss may pick its
+    labelled rows with `nonzero`. What the model computes from its (fake) parameters stays
+    fake; so do the model's own new tensors (a factory op, outside `making_batches`), and a
+    copy to the GPU.
+
+    A fake tensor's value is unknown: reading one (`.item()`, `bool(t)`) gives 0, or True for a
+    boolean (a finite-check passes). Any other op whose output depends on a fake tensor's
+    values (`nonzero` and `unique` for their size, `equal`) is refused, naming the op and
+    where the model runs it."""
 
     def __init__(self, fake: FakeTensorMode):
         super().__init__()
         self.fake = fake
+        self.making_batches = False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         try:
-            return func(*args, **(kwargs or {}))
-        except DataDependentOutputException:
-            if func not in _SCALAR_READS:
-                raise
+            if self._on_real_data(args, kwargs):
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            return func(*args, **kwargs)
+        except DataDependentOutputException as error:
+            if func not in _SCALAR_READS:  # aten.equal: a Python value from two tensors
+                raise ValueError(value_dependent(error.func, "what it returns")) from error
             return True if args[0].dtype == torch.bool else 0
+        except DynamicOutputShapeException as error:
+            raise ValueError(value_dependent(error.func, "the size of its output")) from error
         finally:
             # FakeTensorMode memoizes each output through a weak reference, and torch refuses
             # to swap a module's parameters (`model.half()`, `model.to()`) while one exists.
             # The memo only matters within one op, so it is emptied after every op.
             self.fake.fake_tensor_converter.meta_converter.tensor_memo.clear()
+
+    def _on_real_data(self, args, kwargs) -> bool:
+        leaves = arg_tree_leaves(*args, **kwargs)
+        if any(isinstance(leaf, FakeTensor)
+               or isinstance(leaf, torch.device) and leaf.type != "cpu"  # a copy to the GPU
+               for leaf in leaves):
+            return False
+        return self.making_batches or any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+    def make(self, batch: Callable[[], Batch]) -> Batch:
+        """`batch()`, made for real: its factory ops too (a sample order, an index range)."""
+        self.making_batches = True
+        try:
+            return batch()
+        finally:
+            self.making_batches = False
+
+
+class _MadeForReal:
+    """The batches of `made`, made for real. An iterator, not a generator: a generator would
+    hold the batch it yielded last, which the run has freed by then."""
+
+    def __init__(self, made: Iterator[Batch], values: _Values):
+        self.made, self.values = made, values
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        return self.values.make(self.made.__next__)
+
+
+@dataclass
+class _RealBatches:
+    """`data`, its batches made for real under the trace."""
+
+    data: Data
+    values: _Values
+
+    def __getattr__(self, name: str):  # batch_size, unit, items_per_sample
+        return getattr(self.data, name)
+
+    def train_batches(self, start: int = 0, rank: int = 0, world_size: int = 1) -> _MadeForReal:
+        return _MadeForReal(self.data.train_batches(start, rank, world_size), self.values)
+
+    def eval_batches(self, rank: int = 0, world_size: int = 1) -> _MadeForReal:
+        return _MadeForReal(self.data.eval_batches(rank, world_size), self.values)
+
+    def first_batch(self) -> Batch:
+        return self.values.make(self.data.first_batch)
+
+
+def value_dependent(func, what: str) -> str:
+    """Why an op stops the trace (`what` it gives depends on values), and where the model
+    runs it: the innermost module method that called it."""
+    where = ""
+    for frame, line in traceback.walk_stack(None):
+        module = frame.f_locals.get("self")
+        if isinstance(module, nn.Module):
+            code = linecache.getline(frame.f_code.co_filename, line).strip()
+            where = (f" in {type(module).__name__}.{frame.f_code.co_name} "
+                     f"({frame.f_code.co_filename}, line {line}: {code})")
+            break
+    return (f"{func}{where}: {what} depends on values the estimate does not "
+            "have (it has the batch's own, on the host, and none that the model computes). "
+            "Measure this run for real (python train.py with the same overrides), or configure "
+            "the model so that training does not run this op (a Hugging Face model may have a "
+            "+model.config key for it, as problem_type picks the loss of a classifier)")
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
@@ -179,14 +281,16 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         torch.cuda.init()  # torch's per-device tables, filled from the device's answers
     fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
         allow_non_fake_inputs=True)
+    values = _Values(fake)
     flops = _FlopsByPhase()
     # The model is built on the meta device and given fake storage: initialisers skip meta
     # tensors, and some loop on values a trace does not have (nn.init.trunc_normal_ resamples
     # until no value is out of range). Values never change memory.
     with torch.device("meta"):
         model = build_model(cfg.model)
-    with fake, _UnknownValues(fake), ExitStack() as modes:
-        trainer = Trainer(cfg, allocator=allocator, data=data, model=with_storage(model))
+    with fake, values, ExitStack() as modes:
+        trainer = Trainer(cfg, allocator=allocator, data=_RealBatches(data, values),
+                          model=with_storage(model))
         flops.phase = lambda: trainer.meter.tracker.phase
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
@@ -262,12 +366,14 @@ def stand_in_data(data: DictConfig) -> DictConfig:
     """The data set, generated for real: under fake tensors every op of a generator costs
     about half a millisecond. Token values never change memory, so a synthetic token set is
     drawn from 64 words (its rule table is vocabulary squared: 20 GB at 50k words); the model
-    keeps its own vocabulary. Batches are made in this process (no loader workers)."""
+    keeps its own vocabulary. Batches are made for real in this process (no loader workers),
+    in pageable memory: pinning needs the device, which a CUDA trace's fake one refuses, and
+    host memory is not the device's."""
     stand_in = OmegaConf.create(OmegaConf.to_container(data, resolve=True))
     if stand_in._target_ == target_path(synthetic_tokens):
         stand_in.vocab_size = min(stand_in.vocab_size, 64)
     if "num_workers" in stand_in:
-        stand_in.num_workers = 0
+        stand_in.update(num_workers=0, pin_memory=False)
     return stand_in
 
 
