@@ -7,6 +7,7 @@ import csv
 import json
 import os
 import re
+import select
 import shutil
 import signal
 import socket
@@ -191,9 +192,11 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
 
 def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
     """A terminal's Ctrl-C: SIGINT to the sweep's whole process group. The running job gets it
-    more than once (from the terminal, from submitit's controller, and with preload from its
-    client): the later ones must not stop it writing its `interrupted` record. Both ways a
-    local job runs, as two sweeps side by side; each is stopped once its job has logged a step."""
+    more than once (from the terminal; passed on by submitit's controller, and with preload by
+    the job's client), when they come: here, to be sure one comes while the job writes its
+    record, the test passes one on every millisecond until the job ends. It still records
+    `interrupted`. Both ways a local job runs, as two sweeps side by side, each interrupted
+    once its job has logged a step."""
     sweeps = {}
     try:
         for preload in ("true", "false"):
@@ -211,7 +214,14 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
             while not (metrics.exists() and len(metrics.read_text().splitlines()) > 1):
                 assert process.poll() is None, (sweep_dir / "out").read_text()[-3000:]
                 time.sleep(0.05)
+            # the job's process, which holds its run folder (a pidfd: never another's pid)
+            holder = (sweep_dir / "0" / ".memexp.lock").read_text()
+            job = os.pidfd_open(int(re.fullmatch(r"pid (\d+) on .*", holder)[1]))
             os.killpg(process.pid, signal.SIGINT)
+            with contextlib.suppress(ProcessLookupError):  # reaped already
+                while not select.select([job], [], [], 0.001)[0]:  # readable once it ended
+                    signal.pidfd_send_signal(job, signal.SIGINT)
+            os.close(job)
         for sweep_dir, process in sweeps.items():
             assert process.wait(timeout=300) != 0
             record = results(sweep_dir)["0"]
