@@ -135,11 +135,11 @@ def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: i
     """How a plan changes what is learned: each chosen option's `changes_math`, and what
     accumulation changes with its bn_mode. bn_mode changes nothing in a model without
     BatchNorm."""
+    bn_mode = chosen["bn_mode"][choices["bn_mode"]]
     if not batch_norm:
         choices = {group: choice for group, choice in choices.items() if group != "bn_mode"}
     found = [f"{group}={choice}: {chosen[group][choice].changes_math}"
              for group, choice in choices.items() if chosen[group][choice].changes_math]
-    bn_mode = chosen["bn_mode"][choices["bn_mode"]]
     if batch_norm and accumulate > 1 and bn_mode.accumulation_changes_math:
         found.append(f"optim.accumulate={accumulate}: {bn_mode.accumulation_changes_math}")
     return found
