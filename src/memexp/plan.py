@@ -54,7 +54,7 @@ class Plan:
     estimate: Estimate
     recompute_flops: int
     numerics_rank: int  # the precision option's (0: fp32)
-    changes: list[str]  # how it changes what is learned, an option's each (none: the same math)
+    changes: list[str]  # how its options change what is learned, a line each (none: same math)
     fits: bool = False
 
     @property
