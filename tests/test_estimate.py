@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
 from memexp import cli
+from memexp.config import config_dir
 from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
-from memexp.plan import plan, search_space
-from memexp.trainer import Trainer
+from memexp.plan import describe, plan, search_space
+from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
+from memexp.trainer import Trainer, build
 
 from conftest import CPU_SMALL, HF_BERT, HF_GPT2, compose_train
 
@@ -178,6 +182,63 @@ def test_plan_also_tries_the_lighter_optimizers_the_configured_ones_class_names(
     cfg = compose_config([f"optim={optim}"])
     assert search_space(cfg, optim, {})["optim"] == tried
     assert search_space(cfg, optim, {"optim": ["sgd"]})["optim"] == ["sgd"]  # the user's choice
+
+
+def test_each_option_says_whether_it_changes_what_is_learned():
+    """Stated once, on the option classes (memexp.techniques): what the plan marks."""
+    groups = {group: sorted(p.stem for p in (config_dir() / group).glob("*.yaml"))
+              for group in ("precision", "optim", "bn_mode", "checkpointing")}
+    changing = {}
+    for picks in itertools.zip_longest(*groups.values()):  # one option of each group a compose
+        chosen = {group: option for group, option in zip(groups, picks, strict=True) if option}
+        overrides = [f"{group}={option}" for group, option in chosen.items()]
+        if chosen["checkpointing"] == "modules":  # the one key without a default
+            overrides.append("checkpointing.modules=[fc]")
+        cfg = compose_config(overrides)
+        for group, option in chosen.items():
+            if build(cfg[group]).changes_math:
+                changing.setdefault(group, []).append(option)
+    assert changing == {"precision": ["bf16_pure", "fp16_pure"],
+                        "optim": ["adafactor", "adamw_8bit"],
+                        "bn_mode": ["efficient_eval", "eval", "group_norm"]}
+    # pure half precision keeps the math with fp32 master weights, as amp does
+    master = compose_config(["precision=fp16_pure", "precision.master_weights=true"])
+    assert build(master.precision).changes_math is None
+
+
+def test_plan_ranks_what_changes_what_is_learned_after_what_keeps_it(capsys):
+    """A CNN from scratch. Frozen BatchNorm statistics (bn_mode=efficient_eval) take less memory
+    but learn something else: the plan lists them after bn_mode=train, apart, saying why. Where
+    bn_mode=train needs less memory, full checkpointing keeps the math, accumulation (BatchNorm
+    over half-batches) does not: the plan takes checkpointing, and --allow-changes the cheaper
+    accumulation, saying what it changes."""
+    fixed = [*SMALL_RESNET, *CPU_SMALL, "precision=fp32", "optim=sgd"]
+    arguments = [*fixed, "bn_mode=train,efficient_eval", "checkpointing=none",
+                 "optim.accumulate=1"]
+    plans = plan(arguments, "1GiB")
+    keeps, frozen = plans
+    assert "bn_mode=train" in keeps.overrides and keeps.changes == []
+    assert "bn_mode=efficient_eval" in frozen.overrides
+    assert frozen.peak_bytes < keeps.peak_bytes  # what ranked it first
+    assert frozen.changes == [f"bn_mode=efficient_eval: {EfficientEvalBN.changes_math}"]
+    shown = describe(arguments, "1GiB", plans).splitlines()
+    assert shown[1].startswith("1 of them change what is learned, after every one")
+    assert shown[-4:-2] == ["", "  fit, but change what is learned:"]
+    assert shown[-2].startswith("   2 ") and "bn_mode=efficient_eval" in shown[-2]
+    assert shown[-1] == f"      changes what is learned: {frozen.changes[0]}"
+    # a budget that bn_mode=train fits with full checkpointing (or accumulation), not without
+    full = estimate(compose_config([*fixed, "checkpointing=full"]))
+    budget = str(full.memory["peak_bytes"])
+    arguments = [*fixed, "bn_mode=train", "checkpointing=none,full", "optim.accumulate=1,2"]
+    [checkpointed] = plan(arguments, budget)
+    assert checkpointed.fits and checkpointed.changes == []
+    assert "checkpointing=full" in checkpointed.overrides and checkpointed.accumulate == 1
+    assert cli.main(["plan", f"budget={budget}", *arguments, "--allow-changes"]) == 0
+    shown = capsys.readouterr().out.splitlines()
+    assert shown[1] == "1 of them change what is learned, ranked with the rest (--allow-changes)"
+    assert "checkpointing=none optim.accumulate=2" in shown[4]
+    assert shown[5] == ("      changes what is learned: optim.accumulate=2: "
+                        f"{TrainBN.accumulation_changes_math}")
 
 
 def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_path, monkeypatch):

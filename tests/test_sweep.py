@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import json
 import os
 import re
+import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -20,7 +24,7 @@ from omegaconf import OmegaConf
 
 from memexp.result import GROUPS, mib
 
-from conftest import REPO
+from conftest import REPO, TRAIN_PY_ENV, default_sigint
 from wandb_records import summary as wandb_summary
 
 pytestmark = pytest.mark.slow
@@ -184,6 +188,49 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
     # The failed job's wandb run ends with a non-zero exit code.
     failed_run = next((sweep_dir / "1" / "wandb").glob("offline-run-*/run-*.wandb"))
     assert wandb_summary(failed_run)["exit_code"] == 1
+
+
+def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
+    """A terminal's Ctrl-C: SIGINT to the sweep's whole process group. The running job gets it
+    more than once (from the terminal; passed on by submitit's controller, and with preload by
+    the job's client), when they come: here, to be sure one comes while the job writes its
+    record, the test passes one on every millisecond until the job ends. It still records
+    `interrupted`. Both ways a local job runs, as two sweeps side by side, each interrupted
+    once its job has logged a step."""
+    sweeps = {}
+    try:
+        for preload in ("true", "false"):
+            sweep_dir = tmp_path / f"preload_{preload}"
+            sweep_dir.mkdir()
+            with open(sweep_dir / "out", "w") as out:  # its own session: a terminal's group
+                sweeps[sweep_dir] = subprocess.Popen(
+                    [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+                     f"hydra.launcher.preload={preload}", "model=mlp", "data.batch_size=8",
+                     "trainer.max_steps=1000000", "trainer.log_every=1", "optim=sgd"],
+                    stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV,
+                    preexec_fn=default_sigint, start_new_session=True)
+        for sweep_dir, process in sweeps.items():
+            metrics = sweep_dir / "0" / "metrics.csv"  # its header, then a row a step: training
+            while not (metrics.exists() and len(metrics.read_text().splitlines()) > 1):
+                assert process.poll() is None, (sweep_dir / "out").read_text()[-3000:]
+                time.sleep(0.05)
+            # the job's process, which holds its run folder (a pidfd: never another's pid)
+            holder = (sweep_dir / "0" / ".memexp.lock").read_text()
+            job = os.pidfd_open(int(re.fullmatch(r"pid (\d+) on .*", holder)[1]))
+            os.killpg(process.pid, signal.SIGINT)
+            with contextlib.suppress(ProcessLookupError):  # reaped already
+                while not select.select([job], [], [], 0.001)[0]:  # readable once it ended
+                    signal.pidfd_send_signal(job, signal.SIGINT)
+            os.close(job)
+        for sweep_dir, process in sweeps.items():
+            assert process.wait(timeout=300) != 0
+            record = results(sweep_dir)["0"]
+            assert record["status"] == "interrupted", (sweep_dir / "out").read_text()[-3000:]
+            assert "KeyboardInterrupt" in record["error"] and record["metrics"]["steps"] >= 1
+    finally:
+        for process in sweeps.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

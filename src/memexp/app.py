@@ -75,13 +75,42 @@ def sigterm_raises() -> Iterator[None]:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
+@contextmanager
+def interrupted_once() -> Iterator[None]:
+    """While the block runs, the first SIGINT raises KeyboardInterrupt and later ones are
+    ignored, so that the run's `interrupted` record is written whatever comes after. A Ctrl-C on
+    a local sweep reaches its job twice or three times: from the terminal, to the whole process
+    group; from submitit's controller, which passes its own on to its task; and from the
+    preloaded client, which passes its own on to the job it stands in for. Only the job knows
+    that it has been interrupted already: neither of those can tell a terminal's signal from
+    one meant for the job alone (LocalJob.cancel), so each must pass its own on. As
+    sigterm_raises: only where SIGINT has Python's own handler (a shell's background job
+    ignores it)."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+
+    def interrupted(signum, frame) -> None:
+        # a handler that does nothing, not SIG_IGN: a signal that came before this line runs
+        # it, instead of Python's "Signal 2 ignored due to race condition"
+        signal.signal(signal.SIGINT, lambda signum, frame: None)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, interrupted)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
                group: str) -> dict:
     """Build, train and record this rank's part of one run in `run_dir`; raises after recording
     a failure. Rank 0 writes result.json and logs; in a run of several ranks, a rank that fails
     leaves its traceback in `<run_dir>/ranks/` first, and rank 0's record names the rank that
     failed first, with its traceback."""
-    with sigterm_raises():
+    with sigterm_raises(), interrupted_once():
         return record_run(cfg, run_dir, choices, overrides, group)
 
 

@@ -97,9 +97,9 @@ def plan(args: argparse.Namespace) -> int:
                          "(with --target cuda, the --gpu's memory by default)")
     budget = budgets[0]
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
-    plans = planner.plan(arguments, budget, args.target, gpu_for(args),
+    plans = planner.plan(arguments, budget, args.target, gpu_for(args), args.allow_changes,
                          show=lambda line: print(line, file=sys.stderr, flush=True))
-    print(planner.describe(arguments, budget, plans))
+    print(planner.describe(arguments, budget, plans, args.allow_changes))
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
                                      args.verify_steps))
@@ -148,6 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--gpu", choices=sorted(GPUS), metavar="GPU",
                              help="the GPU of a cuda plan (default h100); without budget=, its "
                                   "memory less the CUDA context")
+    plan_parser.add_argument("--allow-changes", action="store_true",
+                             help="rank the options that change what is learned (frozen "
+                                  "BatchNorm statistics, pure half precision, another optimizer, "
+                                  "accumulation with BatchNorm) by cost with the rest, instead "
+                                  "of after every plan that keeps the math")
     plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
                              help="run the K cheapest plans for real and compare")
     plan_parser.add_argument("--verify-steps", type=int, default=5,

@@ -13,6 +13,12 @@ Cost is measured where it can be: recomputed FLOPs (from the traced backward pas
 same run without checkpointing), bytes moved to the host (offloading), and the number of
 micro-batches per step. The plans are ranked by those, in that order, and then by numerics
 (the precision class's `numerics_rank`: fp32 first) and peak memory.
+
+Options that change what is learned (each option's `changes_math`, see memexp.techniques:
+frozen BatchNorm statistics, pure half precision, another optimizer, accumulation with
+BatchNorm's batch statistics) are marked, and ranked after every plan that keeps the math,
+unless the user allows them (`allow_changes`, `--allow-changes`). A plan is not cheaper for
+learning something else.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ class Plan:
     estimate: Estimate
     recompute_flops: int
     numerics_rank: int  # the precision option's (0: fp32)
+    changes: list[str]  # how its options change what is learned, a line each (none: same math)
     fits: bool = False
 
     @property
@@ -110,12 +117,42 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, dict]:
+    """Each searched option of the technique groups, built: the option objects alone, no model.
+    One compose (a second each on 2 busy cores) builds the n-th option of every group."""
+    groups = ("precision", "optim", "bn_mode", "checkpointing")
+    built: dict[str, dict] = {group: {} for group in groups}
+    for options in itertools.zip_longest(*(space[group] for group in groups)):
+        chosen = {group: option for group, option in zip(groups, options, strict=True) if option}
+        cfg = compose_config([*fixed, *(f"{group}={option}" for group, option in chosen.items())])
+        for group, option in chosen.items():
+            built[group][option] = build(cfg[group])
+    return built
+
+
+def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: int,
+                 batch_norm: bool) -> list[str]:
+    """How a plan changes what is learned: each chosen option's `changes_math`, and what
+    accumulation changes with its bn_mode. bn_mode changes nothing in a model without
+    BatchNorm."""
+    bn_mode = chosen["bn_mode"][choices["bn_mode"]]
+    if not batch_norm:
+        choices = {group: choice for group, choice in choices.items() if group != "bn_mode"}
+    found = [f"{group}={choice}: {chosen[group][choice].changes_math}"
+             for group, choice in choices.items() if chosen[group][choice].changes_math]
+    if batch_norm and accumulate > 1 and bn_mode.accumulation_changes_math:
+        found.append(f"optim.accumulate={accumulate}: {bn_mode.accumulation_changes_math}")
+    return found
+
+
 def plan(arguments: list[str], budget: str, target: str = "cpu",
-         gpu: str = "h100",
+         gpu: str = "h100", allow_changes: bool = False,
          show: Callable[[str], None] = lambda line: None) -> list[Plan]:
     """Every searched combination's cheapest fitting way to run, cheapest first (with, after
-    them, the ones that fit in no way, as `fits=False`). `show` gets a line for each candidate
-    as it is estimated (estimates take seconds each)."""
+    them, the ones that fit in no way, as `fits=False`). Unless `allow_changes`, a plan that
+    changes what is learned comes after every one that keeps it, and each combination tries
+    the ways that keep it first. `show` gets a line for each candidate as it is estimated
+    (estimates take seconds each)."""
     limit = parse_size(budget, "budget")
     fixed, searched = split_arguments(arguments)
     base = compose_config(fixed)
@@ -123,22 +160,27 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
     space = search_space(base, group_choice(fixed, "optim"), searched)
     computed_options = list(itertools.product(space["precision"], space["optim"],
                                               space["bn_mode"]))
-    kept_classes = {option: get_class(compose_config([*fixed, f"checkpointing={option}"])
-                                      .checkpointing._target_)
-                    for option in space["checkpointing"]}
+    chosen = built_options(fixed, space)
+    batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say).
     kept_options = sorted(
         ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
          if batch % int(k) == 0),
-        key=lambda option: (kept_classes[option[0]].cost_rank, option[1]))
+        key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[1]))
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
          f"candidates against {budget}, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
     plans = []
     for precision, optim, bn_mode in computed_options:
         computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
+        changes = {option: math_changes(chosen, {"precision": precision, "optim": optim,
+                                                 "bn_mode": bn_mode, "checkpointing": option[0]},
+                                        option[1], batch_norm)
+                   for option in kept_options}
         last = None
-        for checkpointing, accumulate in kept_options:
+        # the ways that keep the math first, unless changes are allowed: the first fit is kept
+        for checkpointing, accumulate in sorted(
+                kept_options, key=lambda option: not allow_changes and bool(changes[option])):
             overrides = [*computed, f"checkpointing={checkpointing}",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
@@ -146,11 +188,12 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
             result = estimate(cfg, target, gpu)
             key = (precision, optim, bn_mode, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
-            if kept_classes[checkpointing].baseline:  # what the others' recomputation adds to
+            if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
                 baseline_flops[key] = train_flops
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
             last = Plan(overrides, precision, accumulate, result, recompute,
-                        build(cfg.precision).numerics_rank)
+                        chosen["precision"][precision].numerics_rank,
+                        changes[checkpointing, accumulate])
             last.fits = last.peak_bytes <= limit
             show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
                  + " ".join(overrides))
@@ -158,28 +201,41 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
                 break
         if last is not None:
             plans.append(last)
-    return sorted(plans, key=lambda p: (not p.fits, p.cost()))
+    return sorted(plans, key=lambda p: (not p.fits, not allow_changes and bool(p.changes),
+                                        p.cost()))
 
 
 def command(fixed: list[str], plan_: Plan) -> str:
     return shlex.join(["python", "train.py", *fixed, *plan_.overrides])
 
 
-def describe(arguments: list[str], budget: str, plans: list[Plan]) -> str:
+def describe(arguments: list[str], budget: str, plans: list[Plan],
+             allow_changes: bool = False) -> str:
     fixed, _ = split_arguments(arguments)
     fitting = [p for p in plans if p.fits]
+    changing = [p for p in fitting if p.changes]
     lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget} "
-             f"({plans[0].estimate.target if plans else 'cpu'} estimate), cheapest first", ""]
+             f"({plans[0].estimate.target if plans else 'cpu'} estimate), cheapest first"]
+    if changing:
+        lines.append(f"{len(changing)} of them change what is learned, "
+                     + ("ranked with the rest (--allow-changes)" if allow_changes else
+                        "after every one that keeps it (--allow-changes ranks them by cost too)"))
     header = (f"  {'#':>2}  {'peak':>10}  {'recompute':>10}  {'offloaded':>10}  {'micro':>5}  "
               "command")
-    lines.append(header)
+    lines += ["", header]
+    titles = {"changes": "fit, but change what is learned:",
+              "over": "do not fit in any searched way:"}
+    section = "fits"
     for number, p in enumerate(plans, 1):
-        if not p.fits and number == len(fitting) + 1:
-            lines += ["", "  do not fit in any searched way:"]
+        was, section = section, ("over" if not p.fits else
+                                 "changes" if p.changes and not allow_changes else "fits")
+        if section != was:
+            lines += ["", f"  {titles[section]}"]
         lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  "
                      f"{p.recompute_flops / 1e9:>8.2f} G  "
                      f"{mib(p.estimate.memory.get('offloaded_peak_bytes', 0)):>10}  "
                      f"{p.accumulate:>5}  {command(fixed, p)}")
+        lines += [f"      changes what is learned: {change}" for change in p.changes]
     return "\n".join(lines)
 
 

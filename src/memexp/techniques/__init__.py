@@ -7,6 +7,19 @@ protocol in its module: `precision` owns autocast, backward and the optimizer st
 places the model on ranks. The trainer applies them in one fixed, commented order
 (`memexp.trainer.Trainer.__init__`), and `check_combination` refuses the pairs that cannot work,
 reading each option's capability attributes.
+
+`changes_math` (precision, optim, bn_mode and checkpointing options) says whether an option
+changes what is learned: None where it keeps the math, else a sentence saying how it changes it,
+which `memexp plan` prints and ranks such options apart by. The criterion: an option keeps the
+math when the run computes the same function with the same update rule, and differs from fp32
+only by rounding within a step, which the next step does not inherit (autocast and TF32 products
+accumulated in fp32, recomputation, offloading, the loss scaler's skipped steps). It changes the
+math when it changes the model's function (frozen BatchNorm statistics, GroupNorm for
+BatchNorm), the update rule (another optimizer), or keeps state that carries from step to step
+in a lossy form (parameters updated in half precision without fp32 master weights, 8-bit
+optimizer moments): those errors add up over training. bn_mode options also say what gradient
+accumulation changes with them (`accumulation_changes_math`): BatchNorm's batch statistics then
+come from each micro-batch.
 """
 
 from __future__ import annotations

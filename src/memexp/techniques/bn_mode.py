@@ -59,6 +59,10 @@ class TrainBN:
     changed = NOTHING
     baseline = True
     needs_process_group = False
+    changes_math = None  # see memexp.techniques
+    accumulation_changes_math = (
+        "BatchNorm normalizes each micro-batch of data.batch_size / optim.accumulate samples by "
+        "its own statistics, not the whole batch by the batch's")
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -73,6 +77,10 @@ class EvalBN:
     changed = NOTHING
     baseline = False
     needs_process_group = False
+    changes_math = ("BatchNorm normalizes with running statistics that stay frozen, never "
+                    "learned (a model trained from scratch keeps mean 0 and variance 1: nothing "
+                    "is normalized)")
+    accumulation_changes_math = None  # no batch statistics
 
     def apply(self, model: nn.Module) -> nn.Module:
         norms = batchnorms(model)
@@ -208,6 +216,8 @@ class EfficientEvalBN:
     changed = NOTHING
     baseline = False
     needs_process_group = False
+    changes_math = EvalBN.changes_math  # the same outputs and gradients
+    accumulation_changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         if self.modules:
@@ -283,6 +293,8 @@ class SyncBN:
     changed = NOTHING
     baseline = False
     needs_process_group = True
+    changes_math = None  # normalizes N ranks as one process with N times the batch
+    accumulation_changes_math = TrainBN.accumulation_changes_math
 
     def apply(self, model: nn.Module) -> nn.Module:
         norms = batchnorms(model)
@@ -305,6 +317,8 @@ class GroupNormBN:
     changed = NOTHING
     baseline = False
     needs_process_group = False
+    changes_math = "every BatchNorm becomes a GroupNorm: another normalization, another model"
+    accumulation_changes_math = None  # statistics per sample
 
     def __post_init__(self) -> None:
         if self.groups < 1:

@@ -101,6 +101,7 @@ class NoCheckpointing:
     changed = NOTHING
     baseline = True
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing recomputed or moved
+    changes_math = None  # see memexp.techniques
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -121,6 +122,7 @@ class CheckpointBlocks:
     changed = NOTHING
     baseline = False
     cost_rank = 1  # recomputes
+    changes_math = None  # recomputed as first computed (its RNG state, BatchNorm's statistics)
 
     def __post_init__(self) -> None:
         if self.every < 1:
@@ -146,6 +148,7 @@ class CheckpointModules:
     changed = NOTHING
     baseline = False
     cost_rank = 1
+    changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         if not self.modules:
@@ -174,6 +177,7 @@ class CheckpointSequential:
     changed = NOTHING
     baseline = False
     cost_rank = 1
+    changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
         self.found = found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
@@ -221,6 +225,7 @@ class OffloadActivations:
     changed = NOTHING
     baseline = False
     cost_rank = 2  # moves bytes to the host and back
+    changes_math = None  # brought back as they were
 
     def apply(self, model: nn.Module) -> nn.Module:
         self._device = model_device(model)

@@ -82,6 +82,10 @@ class OptimizerChoice:
     keep_grads: bool = False
     # optim options that keep less state for the same job: what `memexp plan` also tries
     lighter: ClassVar[tuple[str, ...]] = ()
+    # how it changes what is learned, or None where it keeps the math (see memexp.techniques);
+    # accumulation keeps it, save for BatchNorm's statistics (bn_mode's
+    # accumulation_changes_math), and so does stepping in backward
+    changes_math: ClassVar[str | None] = None
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -154,6 +158,8 @@ class Adafactor(OptimizerChoice):
     """torch.optim.Adafactor: the second moment of a 2-D weight is kept as a row and a column
     vector, (rows + columns) numbers instead of rows x columns; no first moment."""
 
+    changes_math: ClassVar[str | None] = (
+        "another optimizer: factored second moments, no first moment, its own step size")
     lr: float = 1e-2
     beta2_decay: float = -0.8
     eps: float = 1e-3
@@ -173,6 +179,8 @@ class AdamW8bit(AdamW):
     to 32-bit AdamW, which would measure the wrong thing."""
 
     lighter: ClassVar[tuple[str, ...]] = ()
+    changes_math: ClassVar[str | None] = ("AdamW's moments are kept quantized to 8 bits, "
+                                          "rounded again every step")
 
     def __post_init__(self) -> None:
         super().__post_init__()

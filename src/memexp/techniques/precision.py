@@ -32,6 +32,8 @@ class Precision(Protocol):
     baseline: bool
     # Numerics from the closest to fp32 (0) down: memexp plan prefers the lower at equal cost.
     numerics_rank: int
+    # How it changes what is learned, or None where it keeps the math (see memexp.techniques).
+    changes_math: str | None
 
     def apply(self, model: nn.Module) -> nn.Module: ...
 
@@ -92,6 +94,7 @@ class FP32:
     needs_cuda = False
     baseline = True
     numerics_rank = 0
+    changes_math = None  # TF32's products too: rounded within a step, accumulated in fp32
 
     def apply(self, model: nn.Module) -> nn.Module:
         return model
@@ -146,6 +149,7 @@ class Autocast:
     dtype: str = "float16"
     needs_cuda = False
     baseline = False
+    changes_math = None  # parameters, their gradients and updates stay fp32
 
     def __post_init__(self) -> None:
         self._dtype = self.autocast_dtype = half_dtype(self.dtype, "precision.dtype")
@@ -214,6 +218,9 @@ class Pure:
         self._dtype = half_dtype(self.dtype, "precision.dtype")
         self.needs_all_grads = self.master_weights
         self.numerics_rank = 4 if self._dtype == torch.bfloat16 else 5
+        self.changes_math = None if self.master_weights else (
+            f"parameters are updated in {self.dtype}, without fp32 master weights: an update "
+            "smaller than half a unit in a weight's last place is lost, every step")
         self._pairs: list[tuple[Tensor, Tensor]] = []
 
     def apply(self, model: nn.Module) -> nn.Module:
