@@ -39,11 +39,13 @@ from memexp.result import (
     CATEGORY_ORDER,
     GROUPS,
     HALF_ON_CPU,
+    RECORD,
     BadRecord,
     error_line,
     half_precision_on_cpu,
     load_record,
     mib,
+    printable,
 )
 
 log = logging.getLogger("memexp")
@@ -139,7 +141,7 @@ def job_folders(sweep_dir: Path) -> list[Path]:
     def order(path: Path):
         return (0, int(path.name)) if path.name.isdigit() else (1, path.name)
 
-    return sorted((p.parent for p in sweep_dir.glob("*/result.json")), key=order)
+    return sorted((p.parent for p in sweep_dir.glob(f"*/{RECORD}")), key=order)
 
 
 def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
@@ -147,9 +149,9 @@ def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
     rows, skipped = [], []
     for folder in job_folders(sweep_dir):
         try:
-            record = load_record(folder / "result.json")
+            record = load_record(folder / RECORD)
             check_launched(folder, record)
-            rows.append(Row(folder.name, record))
+            rows.append(Row(printable(folder.name), record))
         except BadRecord as error:
             skipped.append(str(error))
     describe_rows(rows)
@@ -169,11 +171,17 @@ def check_launched(folder: Path, record: dict) -> None:
     def measured(overrides: list[str]) -> list[str]:  # less what a rerun may change
         return [o for o in overrides if not is_run_length_key(o.split("=")[0].lstrip("+~"))]
 
-    overrides = OmegaConf.to_container(OmegaConf.load(launched))
+    try:
+        overrides = OmegaConf.to_container(OmegaConf.load(launched))
+    except Exception as error:  # YAML's, OmegaConf's (an OSError for a scalar), RecursionError
+        raise BadRecord(f"{printable(str(launched))}: not Hydra's list of overrides "
+                        f"({type(error).__name__})") from None
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise BadRecord(f"{printable(str(launched))}: not Hydra's list of overrides")
     if measured(overrides) != measured(record["overrides"]):
-        raise BadRecord(f"{folder / 'result.json'}: the record of an earlier run "
+        raise BadRecord(f"{printable(str(folder / RECORD))}: the record of an earlier run "
                         f"({' '.join(record['overrides'])}); the job last launched here "
-                        f"({' '.join(overrides)}) did not run, and its log says why")
+                        f"({printable(' '.join(overrides))}) did not run, and its log says why")
 
 
 def describe_rows(rows: list[Row]) -> None:
