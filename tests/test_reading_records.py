@@ -37,6 +37,7 @@ BAD = {
     "4": "not a regular file, so not a record",  # a link to /dev/zero: endless
     "5": "`status` is 'finished', not one of ok, failed, oom, nan, terminated, interrupted, "
          "killed, timeout, running",
+    "7": "an incomplete record (TypeError: string indices must be integers, not 'str')",
 }
 
 
@@ -49,7 +50,7 @@ def job(run_dir: Path, *overrides: str) -> dict:
 @pytest.fixture(scope="module")
 def sweep(tmp_path_factory) -> Path:
     """A sweep folder: job 0 a real run's record, job 6 the same failed with terminal escapes
-    in its error, and jobs 1-5 files that are no records (BAD)."""
+    in its error, and jobs 1-5 and 7 files that are no records (BAD)."""
     sweep_dir = tmp_path_factory.mktemp("reading") / "sweep"
     job(sweep_dir / "0", *TINY)
     text = (sweep_dir / "0" / "result.json").read_text()
@@ -60,6 +61,8 @@ def sweep(tmp_path_factory) -> Path:
         "5": json.dumps({**record, "status": "finished"}),
         "6": json.dumps({**record, "status": "failed",
                          "error": f"ValueError: boom {ESCAPES} cleared\n"}),
+        "7": json.dumps({**record, "metrics": {**record["metrics"], "step_time_s": 0.1,
+                                               "timing": "fast"}}),
     }
     for number, content in files.items():
         (sweep_dir / number).mkdir()

@@ -151,7 +151,7 @@ def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
         try:
             record = load_record(folder / RECORD)
             check_launched(folder, record)
-            rows.append(Row(printable(folder.name), record))
+            rows.append(readable(folder, Row(printable(folder.name), record)))
         except BadRecord as error:
             skipped.append(str(error))
     describe_rows(rows)
@@ -182,6 +182,18 @@ def check_launched(folder: Path, record: dict) -> None:
         raise BadRecord(f"{printable(str(folder / RECORD))}: the record of an earlier run "
                         f"({' '.join(record['overrides'])}); the job last launched here "
                         f"({printable(' '.join(overrides))}) did not run, and its log says why")
+
+
+def readable(folder: Path, row: Row) -> Row:
+    """`row`, once what the report reads of it alone reads: load_record checks the types of a
+    record's top keys, not those below them (`metrics.timing`'s). BadRecord otherwise."""
+    try:
+        csv_record(row)
+        speed_range(row, [row])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise BadRecord(f"{printable(str(folder / RECORD))}: an incomplete record "
+                        f"({type(error).__name__}: {printable(str(error))})") from None
+    return row
 
 
 def describe_rows(rows: list[Row]) -> None:

@@ -168,7 +168,7 @@ def record_problem(record) -> str | None:
         return f"`overrides` is {record['overrides']!r}, not a list of strings"
     if record["status"] not in STATUSES:
         return f"`status` is {record['status']!r}, not one of {', '.join(STATUSES)}"
-    for key in ("memory", "metrics"):
+    for key in ("memory", "metrics", "env"):
         if not isinstance(record.get(key), (dict, type(None))):
             return f"`{key}` is {record[key]!r}, not an object or null"
     if not isinstance(record.get("error"), (str, type(None))):
@@ -180,11 +180,14 @@ def record_problem(record) -> str | None:
     if memory.get("peak_bytes") is not None and not isinstance(memory.get("phases"), dict):
         return "`memory.peak_bytes` is set, but `memory.phases` is missing"
     breakdown = memory.get("breakdown_at_peak") or {}
-    if not isinstance(breakdown, dict) or not all(map(number, breakdown.values())):
+    if not isinstance(breakdown, dict) or not all(value is not None and number(value)
+                                                  for value in breakdown.values()):
         return f"`memory.breakdown_at_peak` is {breakdown!r}, not bytes by category"
     for key in ("final_loss", "eval_accuracy", "throughput", "step_time_s"):
         if not number(metrics.get(key)):
             return f"`metrics.{key}` is {metrics[key]!r}, not a number or null"
+    if not isinstance(metrics.get("throughput_unit"), (str, type(None))):
+        return f"`metrics.throughput_unit` is {metrics['throughput_unit']!r}, not a string or null"
     return None
 
 
