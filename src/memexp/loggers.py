@@ -23,7 +23,7 @@ WANDB_ID = ".wandb_run_id"  # the run's wandb id, in its run folder, for a rerun
 
 
 def memexp_names() -> list[str]:
-    """What memexp keeps in every run folder (files and folders), named where each is defined:
+    """What memexp may keep in a run folder (files and folders), named where each is defined:
     a logger's own file must be none of them, nor inside one."""
     from memexp import checkpoint, distributed, run_folder, trainer  # torch, so not at import
     from memexp.result import RECORD
