@@ -23,6 +23,7 @@ from memexp import errors
 from memexp.atomic import atomic_file
 
 log = logging.getLogger("memexp")
+FOLDER = "checkpoints"  # a run's checkpoints, in its run folder
 NAME = re.compile(r"step_(\d+)\.pt")
 
 # The keys a rerun may change and still resume: how long the run goes on, and how it reports

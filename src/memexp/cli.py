@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from memexp.errors import BAD_INPUT, reader_left
 from memexp.errors import describe as describe_error
 from memexp.gpus import GPUS, gpu
-from memexp.result import BadRecord, load_record, summary
+from memexp.result import RECORD, BadRecord, load_record, printable, summary
 
 
 def show(args: argparse.Namespace) -> int:
     path = Path(args.run)
-    result_file = path / "result.json" if path.is_dir() else path
-    if not result_file.is_file():
-        print(f"memexp show: no result.json at {result_file}", file=sys.stderr)
+    result_file = path / RECORD if path.is_dir() else path
+    if not os.path.lexists(result_file):  # one that is there but no file: load_record says so
+        print(f"memexp show: no {RECORD} at {printable(str(result_file))}", file=sys.stderr)
         return 2
     try:
         result = load_record(result_file)
@@ -26,8 +27,8 @@ def show(args: argparse.Namespace) -> int:
         print(f"memexp show: {error}", file=sys.stderr)
         return 2
     except (KeyError, TypeError, ValueError, AttributeError) as error:  # a key the summary reads
-        print(f"memexp show: {result_file}: an incomplete record ({type(error).__name__}: "
-              f"{error})", file=sys.stderr)
+        print(f"memexp show: {printable(str(result_file))}: an incomplete record "
+              f"({type(error).__name__}: {printable(str(error))})", file=sys.stderr)
         return 2
     print(text)
     return 0 if result["status"] == "ok" else 1
@@ -38,7 +39,7 @@ def report(args: argparse.Namespace) -> int:
 
     sweep = Path(args.sweep)
     if not job_folders(sweep):
-        print(f"memexp report: no <job>/result.json under {sweep}", file=sys.stderr)
+        print(f"memexp report: no <job>/{RECORD} under {printable(str(sweep))}", file=sys.stderr)
         return 2
     try:
         written = write_report(sweep, args.budget)

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from memexp.atomic import atomic_file
 
 JOB_KEY = "memexp/job"
+RANKS = "ranks"  # each failed rank's error, in the run folder
 
 
 def env_rank() -> int:
@@ -119,7 +120,7 @@ def refuse_multirun(argv: list[str]) -> None:
 
 # -- a rank's failure ---------------------------------------------------------------------------
 def _failure_path(run_dir: Path, rank: int) -> Path:
-    return run_dir / "ranks" / f"rank{rank}.error.json"
+    return run_dir / RANKS / f"rank{rank}.error.json"
 
 
 def record_failure(run_dir: Path, rank: int, status: str, error: BaseException) -> None:
@@ -137,7 +138,7 @@ def failure_recorded(run_dir: Path, rank: int) -> bool:
 def first_failure(run_dir: Path) -> dict | None:
     """The earliest failure any rank recorded: the cause; later ones are its consequences
     ("Connection closed by peer" on the ranks that waited for it)."""
-    found = [json.loads(p.read_text()) for p in sorted((run_dir / "ranks").glob("*.error.json"))]
+    found = [json.loads(p.read_text()) for p in sorted((run_dir / RANKS).glob("*.error.json"))]
     return min(found, key=lambda failure: failure["time"], default=None)
 
 

@@ -19,6 +19,18 @@ from urllib.parse import urlparse
 from memexp.atomic import atomic_file
 
 log = logging.getLogger("memexp")
+WANDB_ID = ".wandb_run_id"  # the run's wandb id, in its run folder, for a rerun to continue
+
+
+def memexp_names() -> list[str]:
+    """What memexp may keep in a run folder (files and folders), named where each is defined:
+    a logger's own file must be none of them, nor inside one."""
+    from memexp import checkpoint, distributed, run_folder, trainer  # torch, so not at import
+    from memexp.result import RECORD
+
+    # wandb.init(dir=<run folder>) writes in its own `wandb` folder there
+    return [RECORD, run_folder.LOCK, checkpoint.FOLDER, distributed.RANKS, trainer.SNAPSHOTS,
+            WANDB_ID, "wandb"]
 
 
 @dataclass
@@ -67,10 +79,17 @@ class CsvLogger(NoLogger):
     (a full disk) stops this logger, not the run: result.json's `logger.error` says where."""
 
     def __init__(self, filename: str = "metrics.csv"):
-        if not filename or Path(filename).is_absolute() or ".." in Path(filename).parts:
+        parts = Path(filename).parts
+        if not parts or Path(filename).is_absolute() or ".." in parts:
             raise ValueError(f"logger.filename={filename!r}: must be a path inside the run "
                              "folder, such as metrics.csv or logs/metrics.csv (not absolute, "
                              "no '..')")
+        taken = [name for name in memexp_names() if name.casefold() == parts[0].casefold()]
+        if taken:  # casefold: on macOS's filesystem Result.json is result.json
+            raise ValueError(f"logger.filename={filename!r}: {taken[0]} is memexp's own in the "
+                             "run folder, and the logger's rows would be lost to it (or it to "
+                             "them). Name another file, such as metrics.csv; memexp keeps "
+                             f"{', '.join(memexp_names())}")
         self.filename = filename
         self._path: Path | None = None
         self._resume = False
@@ -219,7 +238,7 @@ class WandbLogger:
         extra = {"job_type": job_type(run.techniques),
                  "tags": [f"{k}={v}" for k, v in run.techniques.items()], **extra}
         # A requeued or rerun job continues the same wandb run.
-        id_file = run.run_dir / ".wandb_run_id"
+        id_file = run.run_dir / WANDB_ID
         if run.resume and id_file.is_file():
             extra.update(id=id_file.read_text().strip(), resume="allow")
         try:

@@ -39,11 +39,13 @@ from memexp.result import (
     CATEGORY_ORDER,
     GROUPS,
     HALF_ON_CPU,
+    RECORD,
     BadRecord,
     error_line,
     half_precision_on_cpu,
     load_record,
     mib,
+    printable,
 )
 
 log = logging.getLogger("memexp")
@@ -139,7 +141,7 @@ def job_folders(sweep_dir: Path) -> list[Path]:
     def order(path: Path):
         return (0, int(path.name)) if path.name.isdigit() else (1, path.name)
 
-    return sorted((p.parent for p in sweep_dir.glob("*/result.json")), key=order)
+    return sorted((p.parent for p in sweep_dir.glob(f"*/{RECORD}")), key=order)
 
 
 def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
@@ -147,9 +149,9 @@ def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
     rows, skipped = [], []
     for folder in job_folders(sweep_dir):
         try:
-            record = load_record(folder / "result.json")
+            record = load_record(folder / RECORD)
             check_launched(folder, record)
-            rows.append(Row(folder.name, record))
+            rows.append(readable(folder, Row(printable(folder.name), record)))
         except BadRecord as error:
             skipped.append(str(error))
     describe_rows(rows)
@@ -171,14 +173,38 @@ def check_launched(folder: Path, record: dict) -> None:
     def measured(overrides: list[str]) -> list[str]:  # less what a rerun may change
         return [o for o in overrides if not is_run_length_key(o.split("=")[0].lstrip("+~"))]
 
-    overrides = OmegaConf.to_container(OmegaConf.load(launched))
-    steps = OmegaConf.load(folder / ".hydra" / "config.yaml").trainer.max_steps  # written first
+    overrides = OmegaConf.to_container(hydra_file(launched))
+    if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
+        raise BadRecord(f"{printable(str(launched))}: not Hydra's list of overrides")
+    # written first, by Hydra, when the job was launched
+    steps = OmegaConf.select(hydra_file(folder / ".hydra" / "config.yaml"), "trainer.max_steps")
     config = record.get("config")  # none in the launcher's record of a job killed at its start
     if (measured(overrides) != measured(record["overrides"])
             or config is not None and config["trainer"]["max_steps"] != steps):
-        raise BadRecord(f"{folder / 'result.json'}: the record of an earlier run "
+        raise BadRecord(f"{printable(str(folder / RECORD))}: the record of an earlier run "
                         f"({' '.join(record['overrides'])}); the job last launched here "
-                        f"({' '.join(overrides)}) did not run, and its log says why")
+                        f"({printable(' '.join(overrides))}) did not run, and its log says why")
+
+
+def hydra_file(path: Path):
+    """One of the files Hydra writes in a job's .hydra folder, or BadRecord naming it."""
+    try:
+        return OmegaConf.load(path)
+    except Exception as error:  # YAML's, OmegaConf's (an OSError for a scalar), RecursionError
+        raise BadRecord(f"{printable(str(path))}: not the file Hydra wrote "
+                        f"({type(error).__name__})") from None
+
+
+def readable(folder: Path, row: Row) -> Row:
+    """`row`, once what the report reads of it alone reads: load_record checks the types of a
+    record's top keys, not those below them (`metrics.timing`'s). BadRecord otherwise."""
+    try:
+        csv_record(row)
+        speed_range(row, [row])
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
+        raise BadRecord(f"{printable(str(folder / RECORD))}: an incomplete record "
+                        f"({type(error).__name__}: {printable(str(error))})") from None
+    return row
 
 
 def describe_rows(rows: list[Row]) -> None:

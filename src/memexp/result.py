@@ -12,7 +12,9 @@ import json
 import math
 import numbers
 import os
+import re
 import socket
+import stat
 import traceback
 from datetime import datetime, timezone
 from pathlib import Path
@@ -74,16 +76,80 @@ class BadRecord(ValueError):
     """A result.json that readers cannot use; the message says what is wrong with it."""
 
 
+RECORD = "result.json"  # a run's record, in its run folder
+# Every status a record can have: how its run ended, or "running" while it runs (README,
+# "result.json"). A record with any other is not memexp's, and is not read.
+STATUSES = ("ok", "failed", "oom", "nan", "terminated", "interrupted", "killed", "timeout",
+            "running")
+# What a reader reads of a record at most. A record is some 5 KiB, and each step adds about
+# 25 bytes (its loss in `metrics.losses`): 64 MiB holds a run of two million steps. Anything
+# larger is no record (a log written over it, a link to a device), and is refused unread.
+MAX_RECORD_BYTES = 64 * 2**20
+# How deeply a record may nest: about 10 levels in the deepest resolved config, and Python's
+# JSON reader stops near 1000 (sys.getrecursionlimit()).
+MAX_DEPTH = 100
+# A record's integers are byte counts, steps and seeds, all within 64 bits (20 digits);
+# Python refuses to read one of over 4300 digits (sys.get_int_max_str_digits()) at all.
+MAX_DIGITS = 20
+# Characters a terminal may act on (ESC starts its escape sequences), C1 controls among them:
+# taken out of every string a record holds, which are printed. Tab and newline stay.
+CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """`text` without the control characters that a terminal would act on."""
+    return CONTROL.sub("", text)
+
+
 def load_record(path: Path) -> dict:
-    """A result.json, checked for the types that the summary and the report read."""
+    """A result.json, read defensively (it may be anything: a sweep folder is shared, and its
+    records outlive the memexp that wrote them) and checked for the types and the status that
+    the summary and the report read. A regular file only: a FIFO is opened without waiting for
+    a writer, and refused; so is a link to a device. At most MAX_RECORD_BYTES, nested at most
+    MAX_DEPTH deep, its strings made printable. BadRecord, naming the file, otherwise."""
+    name = printable(str(path))
     try:
-        record = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
-        raise BadRecord(f"{path}: not readable as JSON ({error})") from None
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as f:
+            kind = os.fstat(f.fileno())
+            if not stat.S_ISREG(kind.st_mode):
+                raise BadRecord(f"{name}: not a regular file, so not a record")
+            text = f.read(MAX_RECORD_BYTES + 1)
+    except OSError as error:
+        raise BadRecord(f"{name}: not readable ({printable(str(error))})") from None
+    if len(text) > MAX_RECORD_BYTES:
+        raise BadRecord(f"{name}: larger than {MAX_RECORD_BYTES // 2**20} MiB, so not a record")
+    try:
+        record = cleaned(json.loads(text, parse_int=bounded_int))
+    except RecursionError:  # Python's reader stops near its recursion limit, `cleaned` sooner
+        raise BadRecord(f"{name}: nested deeper than {MAX_DEPTH} levels") from None
+    except ValueError as error:  # not UTF-8, not JSON, or an integer past MAX_DIGITS
+        raise BadRecord(f"{name}: not readable as JSON ({printable(str(error))})") from None
     problem = record_problem(record)
     if problem:
-        raise BadRecord(f"{path}: {problem}")
+        raise BadRecord(f"{name}: {problem}")
     return record
+
+
+def bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"an integer of {len(text.lstrip('-'))} digits, more than a record's "
+                         f"{MAX_DIGITS}")
+    return int(text)
+
+
+def cleaned(value, depth: int = 0):
+    """A record read from JSON, its strings (keys too) made printable; RecursionError where it
+    nests deeper than MAX_DEPTH."""
+    if depth > MAX_DEPTH:
+        raise RecursionError(f"deeper than {MAX_DEPTH}")
+    if isinstance(value, str):
+        return printable(value)
+    if isinstance(value, dict):
+        return {printable(key): cleaned(item, depth + 1) for key, item in value.items()}
+    if isinstance(value, list):
+        return [cleaned(item, depth + 1) for item in value]
+    return value
 
 
 def record_problem(record) -> str | None:
@@ -91,7 +157,7 @@ def record_problem(record) -> str | None:
 
     def number(value, positive: bool = False) -> bool:
         return (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                                  and (not positive or value > 0)))
+                                  and math.isfinite(value) and (not positive or value > 0)))
 
     if not isinstance(record, dict):
         return f"holds a {type(record).__name__}, not a result record"
@@ -99,7 +165,11 @@ def record_problem(record) -> str | None:
     for key, kind in expected.items():
         if not isinstance(record.get(key), kind):
             return f"`{key}` is {record.get(key)!r}, not a {kind.__name__}"
-    for key in ("memory", "metrics"):
+    if not all(isinstance(override, str) for override in record["overrides"]):
+        return f"`overrides` is {record['overrides']!r}, not a list of strings"
+    if record["status"] not in STATUSES:
+        return f"`status` is {record['status']!r}, not one of {', '.join(STATUSES)}"
+    for key in ("memory", "metrics", "env"):
         if not isinstance(record.get(key), (dict, type(None))):
             return f"`{key}` is {record[key]!r}, not an object or null"
     if not isinstance(record.get("error"), (str, type(None))):
@@ -111,11 +181,14 @@ def record_problem(record) -> str | None:
     if memory.get("peak_bytes") is not None and not isinstance(memory.get("phases"), dict):
         return "`memory.peak_bytes` is set, but `memory.phases` is missing"
     breakdown = memory.get("breakdown_at_peak") or {}
-    if not isinstance(breakdown, dict) or not all(map(number, breakdown.values())):
+    if not isinstance(breakdown, dict) or not all(value is not None and number(value)
+                                                  for value in breakdown.values()):
         return f"`memory.breakdown_at_peak` is {breakdown!r}, not bytes by category"
     for key in ("final_loss", "eval_accuracy", "throughput", "step_time_s"):
         if not number(metrics.get(key)):
             return f"`metrics.{key}` is {metrics[key]!r}, not a number or null"
+    if not isinstance(metrics.get("throughput_unit"), (str, type(None))):
+        return f"`metrics.throughput_unit` is {metrics['throughput_unit']!r}, not a string or null"
     return None
 
 
@@ -169,11 +242,14 @@ def record_killed(path: Path, overrides: list[str], reason: str, status: str = "
     killer), or, with status "timeout", stopped at its time limit before it could record it.
     It wrote at most its "running" record (or, for "timeout", an earlier attempt's, requeued).
     Any other record is final and left alone (the end came after it)."""
-    payload = json.loads(path.read_text()) if path.exists() else {
-        "techniques": {group: next((o.split("=", 1)[1] for o in overrides
-                                    if o.startswith(f"{group}=")), None) for group in GROUPS},
-        "overrides": overrides, "memory": None, "metrics": None, "started_at": None,
-    }
+    try:
+        payload = load_record(path)
+    except BadRecord:  # none, or none that is a record: the job's own is written afresh
+        payload = {
+            "techniques": {group: next((o.split("=", 1)[1] for o in overrides
+                                        if o.startswith(f"{group}=")), None) for group in GROUPS},
+            "overrides": overrides, "memory": None, "metrics": None, "started_at": None,
+        }
     # A requeued attempt's "timeout" is not final: the job went on.
     replaceable = {"running", "timeout"} if status == "timeout" else {"running"}
     if payload.get("status", "running") not in replaceable:
@@ -292,7 +368,7 @@ def summary(result: dict, run_dir: Path | str) -> str:
     if result.get("error"):
         message = error_message(result["error"])
         lines.append("  error        " + "\n               ".join(message))
-    lines.append(f"  result       {Path(run_dir) / 'result.json'}")
+    lines.append(f"  result       {Path(run_dir) / RECORD}")
     return "\n".join(lines)
 
 

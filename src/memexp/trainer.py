@@ -38,6 +38,7 @@ from memexp.techniques import check_combination
 from memexp.timing import MachineLoad, step_timing
 
 log = logging.getLogger("memexp")
+SNAPSHOTS = "memory"  # memory.snapshot's files, in the run folder
 
 
 def pick_device(requested: str) -> torch.device:
@@ -149,7 +150,7 @@ def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
         return None
     if run_dir is None:
         raise ValueError("memory.snapshot=true needs a run folder to write the snapshot in")
-    return run_dir / "memory"
+    return run_dir / SNAPSHOTS
 
 
 @dataclass
@@ -296,7 +297,7 @@ class Trainer:
         validate(cfg.trainer)
         if cfg.trainer.checkpoint_every and run_dir is None:
             raise ValueError("trainer.checkpoint_every needs a run folder to keep checkpoints in")
-        self.checkpoints = run_dir / "checkpoints" if run_dir is not None else None
+        self.checkpoints = run_dir / checkpoint.FOLDER if run_dir is not None else None
         self.device = pick_device(cfg.trainer.device)
         # CUDA runs kernels asynchronously: a step waits for its own, so that its time is its own
         # and not the next step's (an estimate's fake CUDA device runs nothing).
