@@ -32,7 +32,7 @@ ESCAPES = "\x1b]0;pwned\x07\x1b[2J\x9b31m"  # a window title, a cleared screen, 
 # The jobs of the sweep below, and what the report says of each that is not a record.
 BAD = {
     "1": "nested deeper than 100 levels",
-    "2": "not readable as JSON (an integer of 5000 digits, more than a record's 20)",
+    "2": "not readable as JSON (an integer of 5000 digits, more than a record's 100)",
     "3": "not a regular file, so not a record",  # a FIFO: no writer ever comes
     "4": "not a regular file, so not a record",  # a link to /dev/zero: endless
     "5": "`status` is 'finished', not one of ok, failed, oom, nan, terminated, interrupted, "

@@ -88,9 +88,11 @@ MAX_RECORD_BYTES = 64 * 2**20
 # How deeply a record may nest: about 10 levels in the deepest resolved config, and Python's
 # JSON reader stops near 1000 (sys.getrecursionlimit()).
 MAX_DEPTH = 100
-# A record's integers are byte counts, steps and seeds, all within 64 bits (20 digits);
-# Python refuses to read one of over 4300 digits (sys.get_int_max_str_digits()) at all.
-MAX_DIGITS = 20
+# memexp's own integers in a record are byte counts, steps and seeds, within 64 bits (20
+# digits), but its config holds whatever numbers the user's keys were given: 100 digits leaves
+# them room and keeps reading cheap. Python refuses one of over 4300 digits
+# (sys.get_int_max_str_digits()) at all, after reading it.
+MAX_DIGITS = 100
 # Characters a terminal may act on (ESC starts its escape sequences), C1 controls among them:
 # taken out of every string a record holds, which are printed. Tab and newline stay.
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
