@@ -90,20 +90,22 @@ class Features(Dataset):
 
 class Classifier(nn.Module):
     """A linear classifier whose forward returns `output`: logits; nan_gradient (the logits plus
-    a term of value 0 whose gradient is NaN: sqrt's gradient at 0 is infinite, times 0); none;
-    or scalar (the logits summed). The parameters named in `frozen` do not train."""
+    a term of value 0 whose gradient is NaN: sqrt's gradient at 0 is infinite, times 0), in its
+    first `nan_forwards` training forward passes (every one by default); none; or scalar (the
+    logits summed). The parameters named in `frozen` do not train."""
 
     def __init__(self, features: int = 8, classes: int = 10, output: str = "logits",
-                 frozen: tuple[str, ...] = ()):
+                 nan_forwards: int | None = None, frozen: tuple[str, ...] = ()):
         super().__init__()
         self.linear = nn.Linear(features, classes)
-        self.output = output
+        self.output, self.nan_forwards = output, nan_forwards
         for name in frozen:
             self.linear.get_parameter(name).requires_grad_(False)
 
     def forward(self, x: Tensor) -> Tensor | None:
         logits = self.linear(x)
-        if self.output == "nan_gradient":
+        if self.output == "nan_gradient" and self.training and self.nan_forwards != 0:
+            self.nan_forwards = None if self.nan_forwards is None else self.nan_forwards - 1
             return logits + torch.sqrt(logits - logits).sum() * 0
         if self.output == "none":
             return None
