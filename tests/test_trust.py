@@ -31,12 +31,14 @@ from memexp.result import summary
 
 from conftest import (
     CPU_SMALL,
+    TRAIN_PY_ENV,
     compose_train,
     fill,
     run_train_py,
     small_filesystem,
     start_train_py,
     train,
+    train_py,
     write_idx,
     write_tiny_cifar10,
     write_tiny_mnist,
@@ -473,3 +475,112 @@ def test_a_crafted_cifar_file_runs_nothing(tmp_path):
         cifar10(root=str(root))
     assert not marker.exists()
 
+
+
+# -- 18: a run is ok only if its loss reached the weights and left them finite ------------------
+CLASSIFIER = ("data=dataset", "data.train._target_=user_models.Features", "data.batch_size=8",
+              "model=custom", "model._target_=user_models.Classifier", "trainer.log_every=1")
+
+
+def final_weights(run: Path) -> list[torch.Tensor]:
+    newest = checkpoint.checkpoints(run / "checkpoints")[0]
+    return list(torch.load(newest, weights_only=True)["model"].values())
+
+
+@pytest.mark.parametrize("options", [(), ("precision=bf16_pure", "precision.master_weights=true"),
+                                     ("optim.in_backward=true",)],
+                         ids=["fp32", "bf16 master weights", "in backward"])
+def test_nan_gradients_of_a_finite_loss_never_reach_the_weights(tmp_path, options):
+    """sqrt's gradient at 0 is infinite, times 0: NaN gradients, while the loss is finite."""
+    run = tmp_path / "run"
+    result = job(run, *CLASSIFIER, *options, "+model.output=nan_gradient", "+model.nan_forwards=1",
+                 "trainer.max_steps=3", "trainer.checkpoint_every=3")
+    # The first step is skipped; its gradients are gone by the next (master weights keep the
+    # model's own apart), which trains.
+    assert result["status"] == "ok" and result["metrics"]["bad_steps"] == 1
+    assert all(torch.isfinite(torch.tensor(result["metrics"]["losses"])))
+    assert all(torch.isfinite(weight).all() for weight in final_weights(run))
+    assert ("non-finite   1 steps had a NaN or infinite loss or gradients; none reached the "
+            "weights") in summary(result, run)
+    # Every step such a step, one more than trainer.max_bad_steps allows: the run is not ok.
+    failed = attempt(tmp_path / "every step", *CLASSIFIER, *options, "+model.output=nan_gradient",
+                     "trainer.max_steps=3")
+    assert failed["status"] == "nan"
+    assert "3 steps with a non-finite loss or gradients" in error_shown(failed)
+
+
+def test_weights_an_update_made_infinite_end_the_run_as_nan(tmp_path):
+    """Adam's eps of 1e-8 is 0 in fp16: the first update divides by zero."""
+    result = attempt(tmp_path / "run", *CLASSIFIER, "precision=fp16_pure", "optim=adamw",
+                     "trainer.max_steps=1")
+    assert result["status"] == "nan"
+    assert "the final weights are not finite: NaN or infinite values in linear.weight" in (
+        error_shown(result))
+
+
+@pytest.mark.parametrize(("overrides", "says"), [
+    (("loss=custom", "loss._target_=user_models.leaf_loss"),
+     "loss._target_=user_models.leaf_loss: the loss is a tensor of its own"),
+    (("loss=custom", "loss._target_=user_models.own_weight_loss"),
+     "loss._target_=user_models.own_weight_loss: backward gave none of the model's 2 trainable "
+     "parameters a gradient"),
+    (("+model.frozen=[weight,bias]",), "model: none of the model's parameters requires a "
+                                       "gradient (all are frozen)"),
+], ids=["a leaf", "a tensor of its own", "all frozen"])
+def test_a_loss_that_reaches_no_parameter_is_refused_at_the_first_step(tmp_path, overrides, says):
+    result = attempt(tmp_path / "run", *CLASSIFIER, *overrides, "trainer.max_steps=2")
+    assert result["status"] == "failed" and result["metrics"]["steps"] == 0
+    assert f"ValueError: {says}" in error_shown(result), error_shown(result)
+
+
+def test_a_partly_frozen_model_trains_what_is_not_frozen(tmp_path):
+    result = job(tmp_path / "run", *CLASSIFIER, "+model.frozen=[bias]", "trainer.max_steps=2")
+    assert result["status"] == "ok" and result["memory"]["grads_peak_bytes"] == 8 * 10 * 4
+
+
+def test_eval_targets_outside_the_models_classes_are_refused_not_counted_as_misses(tmp_path):
+    result = attempt(tmp_path / "run", *CLASSIFIER, "+data.eval._target_=user_models.Features",
+                     "+data.eval.classes=50", "trainer.max_steps=1")
+    assert result["status"] == "failed"
+    assert ("ValueError: data: 22 of the eval set's targets name no class of the model: valid "
+            "targets are 0 to 9, and -100 (not counted)") in error_shown(result)
+
+
+# -- 19: user mistakes, each told in one line that names what to fix ----------------------------
+@pytest.mark.parametrize(("overrides", "says"), [
+    (("+data.train.classes=50",),
+     "loss=cross_entropy: the batch's targets include 7 outside the model's 10 classes (from 10 "
+     "to 31; logits (8, 10)): valid targets are 0 to 9, and -100 (not counted)"),
+    (("+model.output=none",), "model._target_: the model's forward returned NoneType"),
+    (("+model.output=scalar",),
+     "loss=cross_entropy: the model's logits () do not fit the batch's targets (8,)"),
+    (("loss=custom", "loss._target_=user_models.unreduced_loss"),
+     "loss._target_=user_models.unreduced_loss: the loss is a tensor of shape (8,), not one "
+     "number"),
+    (("loss=custom", "loss._target_=user_models.count_loss"),
+     "loss._target_=user_models.count_loss: the loss is a torch.int64 tensor"),
+    (("loss=custom", "loss._target_=user_models.no_loss"),
+     "loss._target_=user_models.no_loss: the loss is NoneType, not a tensor"),
+    (("+data.train.labels=false",),
+     "loss=cross_entropy needs targets, and the batch has none: its keys are ['x']"),
+], ids=["train labels outside the classes", "forward returns None", "scalar logits",
+        "a vector loss", "an integer loss", "no loss", "no labels"])
+def test_a_user_mistake_at_the_first_step_names_what_to_fix(tmp_path, overrides, says):
+    result = attempt(tmp_path / "run", *CLASSIFIER, *overrides, "trainer.max_steps=2")
+    assert result["status"] == "failed" and result["metrics"]["steps"] == 0
+    assert error_shown(result).startswith(f"  error        ValueError: {says}"), (
+        error_shown(result))
+
+
+@pytest.mark.slow
+def test_a_user_mistake_ends_train_py_with_its_summary_and_no_traceback(tmp_path):
+    overrides = (*CLASSIFIER, "loss=custom", "loss._target_=user_models.unreduced_loss",
+                 "trainer.max_steps=2")
+    # tests/ on the path, and what was there (the sources under test, if not installed)
+    path = os.pathsep.join([str(Path(__file__).parent), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(train_py(tmp_path, overrides), capture_output=True, text=True,
+                          timeout=180, cwd=tmp_path, env={**TRAIN_PY_ENV, "PYTHONPATH": path})
+    output = done.stdout + done.stderr
+    assert done.returncode == 1 and "Traceback" not in output
+    errors = [line for line in output.splitlines() if "error  " in line]
+    assert len(errors) == 1 and "the loss is a tensor of shape (8,), not one number" in errors[0]

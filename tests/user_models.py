@@ -125,3 +125,67 @@ class Encoder(nn.Module):
 
     def forward(self, tokens: Tensor) -> Tensor:
         return self.head(self.encoder(self.project(self.embed(tokens))))
+
+
+# -- Mistakes, and runs that must not end ok (tests/test_trust.py) ------------------------------
+class Features(Dataset):
+    """`size` pairs (features, label), the labels counting 0 to `classes` - 1 and again; with
+    `labels=false`, mappings {"x": features} that carry no labels."""
+
+    def __init__(self, size: int = 32, features: int = 8, classes: int = 10,
+                 labels: bool = True):
+        self.size, self.features, self.classes, self.labels = size, features, classes, labels
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> tuple[Tensor, int] | dict[str, Tensor]:
+        x = torch.randn(self.features, generator=torch.Generator().manual_seed(index))
+        return (x, index % self.classes) if self.labels else {"x": x}
+
+
+class Classifier(nn.Module):
+    """A linear classifier whose forward returns `output`: logits; nan_gradient (the logits plus
+    a term of value 0 whose gradient is NaN: sqrt's gradient at 0 is infinite, times 0), in its
+    first `nan_forwards` training forward passes (every one by default); none; or scalar (the
+    logits summed). The parameters named in `frozen` do not train."""
+
+    def __init__(self, features: int = 8, classes: int = 10, output: str = "logits",
+                 nan_forwards: int | None = None, frozen: tuple[str, ...] = ()):
+        super().__init__()
+        self.linear = nn.Linear(features, classes)
+        self.output, self.nan_forwards = output, nan_forwards
+        for name in frozen:
+            self.linear.get_parameter(name).requires_grad_(False)
+
+    def forward(self, x: Tensor) -> Tensor | None:
+        logits = self.linear(x)
+        if self.output == "nan_gradient" and self.training and self.nan_forwards != 0:
+            self.nan_forwards = None if self.nan_forwards is None else self.nan_forwards - 1
+            return logits + torch.sqrt(logits - logits).sum() * 0
+        if self.output == "none":
+            return None
+        return logits.sum() if self.output == "scalar" else logits
+
+
+def leaf_loss(outputs, batch) -> Tensor:
+    """A loss of its own: it trains nothing."""
+    return torch.tensor(1.5, requires_grad=True)
+
+
+def own_weight_loss(outputs, batch) -> Tensor:
+    """Computed from a weight the loss made itself, not from the model's outputs."""
+    weight = torch.ones(2, requires_grad=True)
+    return (weight * 2).sum()
+
+
+def unreduced_loss(outputs, batch) -> Tensor:
+    return F.cross_entropy(outputs.logits, batch[1], reduction="none")
+
+
+def count_loss(outputs, batch) -> Tensor:
+    return (outputs.logits.argmax(-1) != batch[1]).sum()
+
+
+def no_loss(outputs, batch) -> None:
+    return None

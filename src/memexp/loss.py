@@ -6,18 +6,20 @@ is the logits), or a mapping such as Hugging Face's `ModelOutput`, from which me
 `logits`, and `loss` when the model computed one. Nothing else is asked of a model.
 
 Every option is called as `loss(outputs, batch)`; `hits(outputs, batch)` gives the correct and
-the counted predictions of a batch, or None where accuracy means nothing (regression);
+the counted predictions of a batch (`Hits`), or None where accuracy means nothing (regression);
 `items(batch)` how many items its loss is a mean over, which weighs the micro-batches of an
 accumulated step (`shares`).
 `passes_labels` says whether a mapping batch's `labels` go into the model's call (a model
-computes its own loss from them) or stay memexp's targets.
+computes its own loss from them) or stay memexp's targets. `check(outputs, batch)` refuses, at a
+run's first forward pass, what the loss could not use; `key` names the option in its errors.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,10 +43,10 @@ def read_outputs(raw: Any) -> Outputs:
         return Outputs(raw.get("logits"), raw.get("loss"), raw)
     if isinstance(raw, (tuple, list)) and raw and isinstance(raw[0], Tensor):
         return Outputs(raw[0], None, raw)
-    raise TypeError(
-        f"the model's forward returned {type(raw).__name__}; memexp reads a tensor of logits, a "
-        "tuple whose first element is the logits, or a mapping with `logits` and/or `loss` "
-        "(see memexp.loss)")
+    raise ValueError(
+        f"model._target_: the model's forward returned {type(raw).__name__}; memexp reads a "
+        "tensor of logits, a tuple whose first element is the logits, or a mapping with "
+        "`logits` and/or `loss` (see memexp.loss)")
 
 
 def call_model(model: nn.Module, batch: Batch, passes_labels: bool) -> Outputs:
@@ -55,13 +57,28 @@ def call_model(model: nn.Module, batch: Batch, passes_labels: bool) -> Outputs:
     return read_outputs(model(batch[0]))
 
 
+class Hits(NamedTuple):
+    """An eval batch's correct and counted predictions, and its targets outside the logits'
+    classes (never counted: tensors on the batch's device, read once the eval is over); and the
+    number of classes."""
+
+    correct: Tensor
+    counted: Tensor
+    outside: Tensor
+    classes: int
+
+
 class Loss(Protocol):
     passes_labels: bool
+    key: str  # the option, as its errors name it
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor: ...
 
-    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
-        """(correct, counted) predictions, as tensors on the batch's device, or None."""
+    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
+        """The batch's predictions, or None where there is no accuracy."""
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        """A ValueError if the first batch's outputs and targets do not fit this loss."""
 
     def items(self, batch: Batch) -> int | None:
         """How many items (targets that are not IGNORE) the loss of `batch` is a mean over;
@@ -98,6 +115,17 @@ def logits_of(outputs: Outputs, option: str) -> Tensor:
     return outputs.logits
 
 
+def targets_for(batch: Batch, option: str) -> Tensor:
+    """The batch's targets, which the loss needs: a mapping batch may have no `labels`."""
+    targets = targets_of(batch)
+    if targets is None:
+        raise ValueError(
+            f"loss={option} needs targets, and the batch has none: its keys are {list(batch)}, "
+            f"and a mapping batch gives its targets as `{LABELS}`. Add `{LABELS}` to the data's "
+            "items (data.train), or choose a loss that needs none (loss=model, loss=custom)")
+    return targets
+
+
 def aligned(logits: Tensor, targets: Tensor, shift: bool) -> tuple[Tensor, Tensor]:
     """Logits and targets position by position; `shift`: position t predicts target t + 1 (causal
     language modelling, where the labels are the inputs, as Hugging Face gives them)."""
@@ -106,8 +134,12 @@ def aligned(logits: Tensor, targets: Tensor, shift: bool) -> tuple[Tensor, Tenso
     return logits, targets
 
 
-def class_hits(logits: Tensor | None, targets: Tensor | None,
-               shift: bool) -> tuple[Tensor, Tensor] | None:
+def outside_classes(targets: Tensor, counted: Tensor, classes: int) -> Tensor:
+    """Which of the counted integer `targets` name no class of the `classes` the logits have."""
+    return counted & ((targets < 0) | (targets >= classes))
+
+
+def class_hits(logits: Tensor | None, targets: Tensor | None, shift: bool) -> Hits | None:
     """Argmax hits where there are class logits and integer targets of their shape."""
     if logits is None or targets is None or targets.is_floating_point():
         return None
@@ -115,17 +147,38 @@ def class_hits(logits: Tensor | None, targets: Tensor | None,
     if logits.shape[:-1] != targets.shape:
         return None
     counted = targets != IGNORE
-    return ((logits.argmax(-1) == targets) & counted).sum(), counted.sum()
+    correct = ((logits.argmax(-1) == targets) & counted).sum()
+    # After `correct`, whose argmax is the larger temporary: the eval's peak stays where it was.
+    classes = logits.shape[-1]
+    return Hits(correct, counted.sum(), outside_classes(targets, counted, classes).sum(), classes)
 
 
 def check_classes(logits: Tensor, targets: Tensor, key: str) -> None:
-    """Integer targets within the logits' classes (checked before a run: memexp.prechecks)."""
-    counted = targets[targets != IGNORE]
-    if counted.numel() and (int(counted.min()) < 0 or int(counted.max()) >= logits.shape[-1]):
+    """Integer targets within the logits' classes, at a run's first forward pass (and before an
+    estimate: memexp.prechecks). Only a count is read, which a traced run, whose values are
+    unknown, reads as 0."""
+    classes = logits.shape[-1]
+    outside = outside_classes(targets, targets != IGNORE, classes)
+    if int(outside.sum()):
+        found = targets[outside]
         raise ValueError(
-            f"{key}: the batch's targets run from {int(counted.min())} to {int(counted.max())}, "
-            f"but the model gives {logits.shape[-1]} classes (logits {tuple(logits.shape)}). "
-            "Match the data's number of classes to the model's head.")
+            f"{key}: the batch's targets include {int(outside.sum())} outside the model's "
+            f"{classes} classes (from {int(found.min())} to {int(found.max())}; logits "
+            f"{tuple(logits.shape)}): valid targets are 0 to {classes - 1}, and {IGNORE} (not "
+            "counted). Match the data's labels (data) to the model's head (model).")
+
+
+def check_class_logits(logits: Tensor, targets: Tensor, key: str) -> None:
+    """Logits with a class dimension, one row per integer target."""
+    if targets.is_floating_point():
+        raise ValueError(f"{key} needs integer class targets, and the batch's are "
+                         f"{targets.dtype}; for regression choose loss=mse")
+    if logits.dim() < 2 or logits.shape[:-1].numel() != targets.numel():
+        raise ValueError(
+            f"{key}: the model's logits {tuple(logits.shape)} do not fit the batch's targets "
+            f"{tuple(targets.shape)}: it needs one row of class scores per target, logits of "
+            "(batch, classes) or (batch, positions, classes). The model (model._target_) must "
+            "return them unreduced")
 
 
 @dataclass
@@ -136,22 +189,24 @@ class CrossEntropy:
 
     shift: bool = False
     passes_labels = False
+    key = "loss=cross_entropy"
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
                                   self.shift)
         return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
 
-    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
+    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
         return class_hits(outputs.logits, targets_of(batch), self.shift)
 
     def items(self, batch: Batch) -> int | None:
         return counted(targets_of(batch), self.shift)
 
     def check(self, outputs: Outputs, batch: Batch) -> None:
-        logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
-                                  self.shift)
-        check_classes(logits, targets, "loss=cross_entropy")
+        logits, targets = aligned(logits_of(outputs, "cross_entropy"),
+                                  targets_for(batch, "cross_entropy"), self.shift)
+        check_class_logits(logits, targets, self.key)
+        check_classes(logits, targets, self.key)
 
 
 @dataclass
@@ -162,6 +217,7 @@ class ModelLoss:
 
     shift: bool = False
     passes_labels = True
+    key = "loss=model"
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         if outputs.loss is None:
@@ -171,7 +227,7 @@ class ModelLoss:
                 "data=hf_tokens); otherwise choose loss=cross_entropy or mse")
         return outputs.loss
 
-    def hits(self, outputs: Outputs, batch: Batch) -> tuple[Tensor, Tensor] | None:
+    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
         return class_hits(outputs.logits, targets_of(batch), self.shift)
 
     def items(self, batch: Batch) -> int | None:
@@ -182,7 +238,7 @@ class ModelLoss:
     def check(self, outputs: Outputs, batch: Batch) -> None:
         targets = targets_of(batch)
         if outputs.logits is not None and targets is not None and not targets.is_floating_point():
-            check_classes(*aligned(outputs.logits, targets, self.shift), "loss=model")
+            check_classes(*aligned(outputs.logits, targets, self.shift), self.key)
 
 
 @dataclass
@@ -191,6 +247,7 @@ class MSE:
     no accuracy."""
 
     passes_labels = False
+    key = "loss=mse"
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         logits, targets = logits_of(outputs, "mse"), targets_of(batch)
@@ -203,7 +260,7 @@ class MSE:
         return counted(targets_of(batch), shift=False)
 
     def check(self, outputs: Outputs, batch: Batch) -> None:
-        logits, targets = logits_of(outputs, "mse"), targets_of(batch)
+        logits, targets = logits_of(outputs, "mse"), targets_for(batch, "mse")
         if logits.numel() != targets.numel():
             raise ValueError(f"loss=mse: logits {tuple(logits.shape)} and targets "
                              f"{tuple(targets.shape)} differ in size")
@@ -216,6 +273,13 @@ class UserLoss:
 
     function: Callable[[Outputs, Batch], Tensor]
     passes_labels = False
+
+    @property
+    def key(self) -> str:
+        """loss._target_ as given: Hydra's `_partial_: true` wraps the function."""
+        function = (self.function.func if isinstance(self.function, functools.partial)
+                    else self.function)
+        return f"loss._target_={function.__module__}.{function.__qualname__}"
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         return self.function(outputs, batch)

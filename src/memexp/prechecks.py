@@ -5,6 +5,9 @@
   id past the vocabulary, a sequence longer than the position table), and afterwards every module
   a technique changed has run (no silent no-op: a technique that wrapped a copy of the layers
   would otherwise report the memory of `none` as its own).
+- `check_loss` and `check_reached`: a run's first loss is one floating-point number, computed
+  from the model's parameters, and its backward gives at least one of them a gradient (a loss
+  that reaches none would train nothing, and the run would still measure its memory as ok).
 - `dry_run`: for `memexp estimate`, whose traced values are unknown, the same embedding and
   target checks on a forward pass of the model on the meta device (nothing allocated), with the
   batch's integer tensors (token ids, positions, masks) computed for real.
@@ -16,6 +19,7 @@ import inspect
 import logging
 import weakref
 from collections.abc import Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -128,6 +132,41 @@ class FirstForward:
                     "them: a copy of its layers, or a container it loops over or indexes rather "
                     f"than calls whole? Point {group} at the modules forward runs "
                     "(memexp.models.blocks: [auto], class names or module-name globs).")
+
+
+def check_loss(loss: Any, key: str, trainable: int) -> None:
+    """The first loss, before its backward: one floating-point number that autograd can follow
+    back to the model (`trainable`: how many of its parameters require gradients). Only what a
+    tensor says of itself is read: no value, no host sync."""
+    if not isinstance(loss, Tensor):
+        raise ValueError(f"{key}: the loss is {type(loss).__name__}, not a tensor: it must "
+                         "return the loss computed from the model's outputs")
+    if loss.numel() != 1:
+        raise ValueError(f"{key}: the loss is a tensor of shape {tuple(loss.shape)}, not one "
+                         "number: reduce it (its .mean() or .sum())")
+    if not loss.is_floating_point():
+        raise ValueError(f"{key}: the loss is a {loss.dtype} tensor: gradients need a "
+                         "floating-point loss computed from the model's outputs (a count or "
+                         "an argmax has none)")
+    if trainable == 0:
+        raise ValueError("model: none of the model's parameters requires a gradient (all are "
+                         "frozen): nothing would be trained")
+    if not loss.requires_grad:
+        raise ValueError(f"{key}: the loss needs no gradient: it does not depend on the "
+                         "model's parameters (computed from detached outputs, or from "
+                         "constants?)")
+    if loss.grad_fn is None:
+        raise ValueError(f"{key}: the loss is a tensor of its own (a leaf with "
+                         "requires_grad=True), not computed from the model's outputs: "
+                         "backward would train nothing")
+
+
+def check_reached(reached: bool, key: str, trainable: int) -> None:
+    """After the first backward: some parameter got a gradient."""
+    if not reached:
+        raise ValueError(f"{key}: backward gave none of the model's {trainable} trainable "
+                         "parameters a gradient: the loss depends on tensors of its own, not "
+                         "on the model's")
 
 
 # -- memexp estimate: a forward pass on the meta device with real integer values -------------------

@@ -363,8 +363,8 @@ def summary(result: dict, run_dir: Path | str) -> str:
         lines.append(f"  skipped      {metrics['skipped_steps']} steps with non-finite "
                      f"gradients (loss scale now {metrics['loss_scale']:g})")
     if metrics and metrics.get("bad_steps"):
-        lines.append(f"  non-finite   {metrics['bad_steps']} steps had a NaN or infinite loss; "
-                     "their updates were skipped")
+        lines.append(f"  non-finite   {metrics['bad_steps']} steps had a NaN or infinite loss or "
+                     "gradients; none reached the weights")
     if result.get("failed_rank") is not None:
         lines.append(f"  failed rank  {result['failed_rank']} (its traceback is the error)")
     if result.get("error"):

@@ -19,20 +19,20 @@ import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
-from torch import nn
+from torch import Tensor, nn
 from tqdm import tqdm
 
 from memexp import checkpoint
 from memexp.baseline import BASELINE_GROUPS, baseline_config
 from memexp.data import Batch, Data
-from memexp.data.tensors import map_batch, map_inputs
+from memexp.data.tensors import IGNORE, map_batch, map_inputs
 from memexp.errors import abbreviated
 from memexp.loss import Outputs, as_loss, call_model, shares
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
 from memexp.models import LOADED
-from memexp.prechecks import FirstForward, check_signature
+from memexp.prechecks import FirstForward, check_loss, check_reached, check_signature
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination
 from memexp.timing import MachineLoad, step_timing
@@ -103,7 +103,8 @@ class OutOfMemory(RuntimeError):
 
 
 class NonFiniteLoss(RuntimeError):
-    """trainer.max_bad_steps steps had a NaN or infinite loss; none of them touched the weights."""
+    """The run diverged (status `nan`): trainer.max_bad_steps steps had a NaN or infinite loss or
+    gradients (none of which touched the weights), or its final weights are not finite."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:
@@ -166,10 +167,24 @@ class Metrics:
     baseline_step_times: list[list] = field(default_factory=list)
     unpaired: str | None = None
     eval_accuracy: float | None = None
-    # steps the GradScaler skipped (inf/NaN gradients), and steps with a non-finite loss
+    # steps the GradScaler skipped (inf/NaN gradients), and steps with a non-finite loss or
+    # gradients (memexp skipped them)
     skipped_steps: int = 0
     bad_steps: int = 0
     resumed_from: list[int] = field(default_factory=list)
+
+
+def non_finite(tensors: list[Tensor], device: torch.device) -> Tensor:
+    """Whether any of `tensors` holds a NaN or an infinity, as a 0-d bool tensor on `device`,
+    read by no host sync here: the largest magnitude of each, in one fused kernel per device and
+    dtype (not their norm, which overflows where none of them does). A sparse gradient is
+    checked by its values; an empty tensor (a rank's empty shard) holds none."""
+    values = [t._values() if t.is_sparse else t for t in tensors]
+    values = [v for v in values if v.numel()]
+    if not values:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    largest = torch.stack(torch._foreach_norm(values, math.inf))
+    return largest.isfinite().all().logical_not().to(device)
 
 
 def nothing_to_wait_for() -> None:
@@ -331,6 +346,10 @@ class Trainer:
         # 4. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.
         self.model = self.parallel.apply(model, self.precision.autocast_dtype)
+        # Read at every step's end (their gradients) and the run's (their values): the same
+        # objects throughout (FSDP's are the shards).
+        self.parameters = list(self.model.parameters())
+        self.trainable = sum(p.requires_grad for p in self.parameters)
         # The blocks the techniques resolved (memexp.models.blocks), for the record; and after
         # the first forward pass, every module a technique changed must have run.
         self.blocks = {group: option.found.summary() for group, option in self._changing()
@@ -356,6 +375,8 @@ class Trainer:
         self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
         self.metrics = Metrics()
+        # The first step checks what every later one takes for granted (its loss and outputs).
+        self.first_step = True
         # What the run continues from, loaded as it is built: before app.record_run writes
         # anything, so that a rerun that cannot continue leaves its folder as it was.
         self.resumed = self.load_checkpoint()
@@ -377,7 +398,7 @@ class Trainer:
 
     def train_step(self, batches: Iterator[Batch]) -> float:
         """One optimizer step over `optim.accumulate` micro-batches; returns the mean loss."""
-        accumulate, meter, total = self.optim.accumulate, self.meter, 0.0
+        accumulate, meter, losses = self.optim.accumulate, self.meter, []
         # Every micro-batch is fetched first: each weighs by its share of the step's items
         # (memexp.loss.shares), which takes counting them all.
         micros = [next(batches) for _ in range(accumulate)]
@@ -387,7 +408,13 @@ class Trainer:
             with self.parallel.accumulating(micro < accumulate - 1):
                 with (meter.phase("forward"), self.precision.autocast(),
                       self.checkpointing.context()):
-                    loss = self.loss(self.forward(batch), batch)
+                    outputs = self.forward(batch)
+                    if self.first_step:
+                        self.loss.check(outputs, batch)
+                    loss = self.loss(outputs, batch)
+                    del outputs  # the logits go as soon as the loss no longer needs them
+                    if self.first_step:
+                        check_loss(loss, self.loss.key, self.trainable)
                     # Weigh for accumulation; skipped at k=1, where the extra autograd node
                     # would only cost time (x * 1 == x bitwise).
                     loss = loss * weights[micro] if accumulate > 1 else loss
@@ -395,18 +422,20 @@ class Trainer:
                 del batch
                 with meter.phase("backward"):
                     self.precision.backward(loss)
-            # The mean over all ranks' samples: the global batch's loss, and the same value on
-            # every rank, so that all take the same decisions about non-finite losses.
-            # A float: no graph outlives its step.
-            total += self.parallel.all_reduce_sum(loss.detach()).item() / self.parallel.world_size
+            losses.append(loss.detach())
         # With FSDP's CPU offload the step runs on the host, where its state lives.
         with meter.phase("optimizer"), self.parallel.offloaded():
-            if math.isfinite(total):
+            total, finite = self.outcome(losses)
+            self.first_step = False
+            if finite:
                 # A step skipped for non-finite gradients (fp16 loss scaling) is counted.
                 self.metrics.skipped_steps += not self.precision.step(self.optimizer)
             else:
-                # A non-finite loss never reaches the weights; fit() stops after max_bad_steps.
+                # A NaN or infinity never reaches the weights, and its gradients do not outlive
+                # the step (the optimizer's zero_grad below does not see them where it updates
+                # master copies); fit() stops after max_bad_steps.
                 self.metrics.bad_steps += 1
+                self.model.zero_grad(set_to_none=not self.optim.keep_grads)
             # Free the gradients now: no need for this memory until the next backward
             # (optim.keep_grads zeroes them in place instead, as torch < 2.0 did).
             self.optimizer.zero_grad(set_to_none=not self.optim.keep_grads)
@@ -414,22 +443,53 @@ class Trainer:
         self.wait_for_device()
         return total
 
+    def outcome(self, losses: list[Tensor]) -> tuple[float, bool]:
+        """The step's loss, the mean over all ranks' samples (the global batch's loss), and
+        whether it and the step's gradients are finite. One host sync reads both, the one the
+        loss took anyway; summed over ranks, they are the same on every rank, so that all take
+        the same decisions about a non-finite step. The first step checks that the loss gave a
+        parameter a gradient."""
+        grads = [self.parallel.local(p.grad) for p in self.parameters if p.grad is not None]
+        # optim.in_backward stepped each parameter, and checked its gradient, inside backward;
+        # a GradScaler checks them itself.
+        in_backward = self.optim.in_backward
+        if self.first_step:
+            check_reached(bool(grads) or in_backward and self.optimizer.reached, self.loss.key,
+                          self.trainable)
+        checked = [] if self.precision.scales_loss or in_backward else [
+            non_finite(grads, self.device)]
+        values = self.parallel.all_reduce_sum(torch.stack([*losses, *checked])).tolist()
+        # A float: no graph outlives its step.
+        total = sum(value / self.parallel.world_size for value in values[:len(losses)])
+        bad = any(values[len(losses):]) or in_backward and self.optimizer.non_finite
+        return total, math.isfinite(total) and not bad
+
     @torch.inference_mode()
     def evaluate(self, batches: int | None = None) -> float | None:
         """Accuracy over the eval set (its first `batches` batches); None where the loss has no
         notion of it (regression)."""
         self.model.eval()
-        # (correct, counted) stays on the device until the end: no host sync per batch.
-        totals = torch.zeros(2, device=self.device, dtype=torch.long)
+        # (correct, counted, outside the model's classes) stays on the device until the end: no
+        # host sync per batch.
+        totals = torch.zeros(3, device=self.device, dtype=torch.long)
+        classes = None
         with self.meter.phase("eval"), self.precision.autocast():
             for batch in itertools.islice(
                     self.data.eval_batches(self.parallel.rank, self.parallel.world_size), batches):
                 batch = self.to_device(batch)
                 hits = self.loss.hits(self.forward(batch), batch)
                 if hits is not None:
-                    totals += torch.stack(hits)
+                    totals += torch.stack(hits[:3])
+                    classes = hits.classes
         self.model.train()
-        correct, counted = self.parallel.all_reduce_sum(totals).tolist()
+        correct, counted, outside = self.parallel.all_reduce_sum(totals).tolist()
+        if outside:  # they would count as misses
+            # (a rank that had no eval batch knows no classes, and raises alike)
+            valid = f"0 to {classes - 1}" if classes is not None else "the model's classes"
+            raise ValueError(
+                f"data: {outside} of the eval set's targets name no class of the model: valid "
+                f"targets are {valid}, and {IGNORE} (not counted). Match the eval data's labels "
+                "(data.eval, data.eval_split) to the model's head (model)")
         return correct / counted if counted else None
 
     def fit(self, logger) -> Metrics:
@@ -463,8 +523,9 @@ class Trainer:
                     metrics.losses.append(loss)
                     if metrics.bad_steps >= max_bad_steps:
                         raise NonFiniteLoss(
-                            f"{metrics.bad_steps} steps with a non-finite loss (the last at step "
-                            f"{step}: {loss}); trainer.max_bad_steps={max_bad_steps}")
+                            f"{metrics.bad_steps} steps with a non-finite loss or gradients (the "
+                            f"last at step {step}, loss {loss}); "
+                            f"trainer.max_bad_steps={max_bad_steps}")
                     self.release_cached_memory("step")
                     bar.update()
                     self.progress.step(step, loss)
@@ -482,6 +543,7 @@ class Trainer:
                         self.stop_measuring(evaluated)
                         pairing = self.pair_with_baseline(max_steps - step)
                         load.start()  # what the timed steps shared the machine with
+            self.check_weights()
             metrics.others_cpu_share = load.others_share(sum(self.parallel.gather(load.own_cpu())))
         except Exception as error:
             if not is_out_of_memory(error):
@@ -503,6 +565,29 @@ class Trainer:
             free_cached_memory(self.device)
             raise out_of_memory
         return metrics
+
+    @torch.no_grad()
+    def check_weights(self) -> None:
+        """A run is ok only if its final weights are finite: no step lets a NaN or infinite
+        gradient reach them, but an update can still overflow. On every rank, which all raise
+        alike."""
+        local = [self.parallel.local(p) for p in self.parameters]
+        # One parameter at a time: after the meter's last phase CUDA's counters still count
+        # (its idle phase), and a fused check's workspace grows with their number.
+        found = torch.zeros((), dtype=torch.long, device=self.device)
+        for tensor in local:
+            found += non_finite([tensor], self.device)
+        if not self.parallel.all_reduce_sum(found).item():
+            return
+        names = [name for (name, _), tensor in zip(self.model.named_parameters(), local,
+                                                   strict=True)
+                 if non_finite([tensor], self.device).item()]
+        shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
+        raise NonFiniteLoss(
+            f"the final weights are not finite: NaN or infinite values in "
+            f"{shown or 'the shards of another rank'}, though no step let a NaN or infinite loss "
+            "or gradient reach them: an update overflowed (a lower optim.lr, or a precision "
+            "with more range)")
 
     def stop_measuring(self, evaluated: bool) -> None:
         """Memory has been measured on the first steps (memory.measure_steps): measure an

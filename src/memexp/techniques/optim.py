@@ -23,20 +23,26 @@ MakeOptimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
 class StepInBackward:
     """One optimizer per parameter, stepped from that parameter's post-accumulate-grad hook,
     which then frees the gradient: the full set of gradients never exists at once (torchtune's
-    optimizer-in-backward). `step()` and `zero_grad()` do nothing: the work is done in backward.
+    optimizer-in-backward). `step()` does nothing: the work is done in backward. The trainer,
+    which sees no gradient, reads what the last backward did in `reached` (some parameter got a
+    gradient) and `non_finite` (some gradient was NaN or infinite); `zero_grad()` resets them.
     `state`, `param_groups` and the state_dict cover every per-parameter optimizer."""
 
     def __init__(self, params: list[Tensor], make: MakeOptimizer):
         self.optimizers = {p: make([p]) for p in params if p.requires_grad}
+        self.reached = self.non_finite = False
         for param in self.optimizers:
             param.register_post_accumulate_grad_hook(self._step)
 
     def _step(self, param: Tensor) -> None:
         optimizer = self.optimizers[param]
+        self.reached = True
         # The step happens before the trainer sees the loss, so a non-finite gradient is caught
         # here: it never reaches the weights.
         if torch.isfinite(param.grad).all():
             optimizer.step()
+        else:
+            self.non_finite = True
         optimizer.zero_grad(set_to_none=True)
 
     @property
@@ -51,7 +57,7 @@ class StepInBackward:
         pass
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        pass
+        self.reached = self.non_finite = False
 
     def state_dict(self) -> dict:
         return {"per_parameter": [opt.state_dict() for opt in self.optimizers.values()]}

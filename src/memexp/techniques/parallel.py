@@ -55,6 +55,9 @@ class Parallel(Protocol):
 
     def all_reduce_sum(self, value: Tensor) -> Tensor: ...
 
+    def local(self, tensor: Tensor) -> Tensor:
+        """This rank's part of a parameter or gradient (its shard, under FSDP)."""
+
     def gather(self, value: Any) -> list:
         """Every rank's `value`, in rank order (a collective: every rank calls it)."""
 
@@ -95,6 +98,9 @@ class NoParallel:
     def all_reduce_sum(self, value: Tensor) -> Tensor:
         return value
 
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
+
     def gather(self, value: Any) -> list:
         return [value]
 
@@ -128,6 +134,9 @@ class _OnProcessGroup:
         total = value.clone()
         dist.all_reduce(total)
         return total
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor
 
     def gather(self, value: Any) -> list:
         gathered = [None] * self.world_size
@@ -246,3 +255,6 @@ class FSDP(_OnProcessGroup):
 
     def offloaded(self) -> AbstractContextManager:
         return host_resident() if self.cpu_offload else nullcontext()
+
+    def local(self, tensor: Tensor) -> Tensor:
+        return tensor.to_local()  # a DTensor

@@ -24,6 +24,9 @@ class Precision(Protocol):
     # True when the step needs every gradient at once (loss-scale unscaling, master copies),
     # which rules out stepping parameters one by one inside backward.
     needs_all_grads: bool
+    # A GradScaler scales the loss (float16): it finds NaN and infinite gradients itself and
+    # skips their steps (`step` returns False). Otherwise the trainer checks them.
+    scales_loss: bool
     # The dtype autocast computes in (None without autocast): FSDP gathers parameters in it.
     autocast_dtype: torch.dtype | None
     # Runs only on a CUDA device (check_combination).
@@ -90,6 +93,7 @@ class FP32:
     """Full precision: the baseline the other options are compared with."""
 
     needs_all_grads = False
+    scales_loss = False
     autocast_dtype = None
     needs_cuda = False
     baseline = True
@@ -153,12 +157,12 @@ class Autocast:
 
     def __post_init__(self) -> None:
         self._dtype = self.autocast_dtype = half_dtype(self.dtype, "precision.dtype")
-        self.needs_all_grads = self._dtype == torch.float16
-        self.numerics_rank = 3 if self.needs_all_grads else 2  # amp below bf16: fp16's range
+        self.needs_all_grads = self.scales_loss = self._dtype == torch.float16
+        self.numerics_rank = 3 if self.scales_loss else 2  # amp below bf16: fp16's range
 
     def apply(self, model: nn.Module) -> nn.Module:
         self._device_type = model_device(model).type
-        self._scaler = grad_scaler(self._device_type, enabled=self.needs_all_grads)
+        self._scaler = grad_scaler(self._device_type, enabled=self.scales_loss)
         return model
 
     @contextmanager
@@ -217,6 +221,7 @@ class Pure:
     def __post_init__(self) -> None:
         self._dtype = half_dtype(self.dtype, "precision.dtype")
         self.needs_all_grads = self.master_weights
+        self.scales_loss = self.master_weights and self._dtype == torch.float16
         self.numerics_rank = 4 if self._dtype == torch.bfloat16 else 5
         self.changes_math = None if self.master_weights else (
             f"parameters are updated in {self.dtype}, without fp32 master weights: an update "
@@ -225,8 +230,7 @@ class Pure:
 
     def apply(self, model: nn.Module) -> nn.Module:
         model = model.to(self._dtype)
-        self._scaler = grad_scaler(model_device(model).type,
-                                   enabled=self.master_weights and self._dtype == torch.float16)
+        self._scaler = grad_scaler(model_device(model).type, enabled=self.scales_loss)
         return model
 
     def autocast(self) -> AbstractContextManager:
