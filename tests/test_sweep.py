@@ -371,3 +371,17 @@ def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives
     import cloudpickle
 
     assert cloudpickle.loads(cloudpickle.dumps(loader.repository))._cache == {}
+
+
+def test_a_sweep_job_refused_before_it_ran_is_not_shown_as_its_earlier_record(tmp_path):
+    """The rerun's job is refused (another optimizer over the job folder's checkpoint) and
+    writes nothing: the folder's ok record is the earlier run's, and the sweep's line for the
+    job must say that, not `ok`."""
+    sweep_dir = tmp_path / "sweep"
+    settings = (*TINY, "trainer.max_steps=1", "trainer.checkpoint_every=1", "logger=none")
+    assert sweep(sweep_dir, *settings, "optim=sgd").returncode == 0
+    done = sweep(sweep_dir, *settings, "optim=adam")
+    assert done.returncode != 0
+    line = next(line for line in (done.stdout + done.stderr).splitlines()
+                if "[1/1] job #0" in line)
+    assert "refused before it ran" in line and "an earlier run's record (ok)" in line, line

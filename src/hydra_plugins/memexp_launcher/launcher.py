@@ -174,25 +174,30 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             for job, (overrides, number) in zip(submitted, chunk, strict=True):
                 result_file = job_dir(configs[number]) / "result.json"
                 returns.append(self._outcome(job, overrides, number, result_file))
-                log.info(self._ended(overrides, number, result_file,
+                log.info(self._ended(overrides, number, result_file, returns[-1].return_value,
                                      time.monotonic() - submitted_at,
                                      f"[{len(returns)}/{len(jobs)}]"))
         return returns
 
-    def _ended(self, overrides: list[str], number: int, result_file: Path, seconds: float,
-               count: str) -> str:
+    def _ended(self, overrides: list[str], number: int, result_file: Path, status: str,
+               seconds: float, count: str) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
-        `memexp show`) says the same, but sits in a folder nobody watches mid-sweep."""
+        `memexp show`) says the same, but sits in a folder nobody watches mid-sweep. A job
+        that failed (`status`, submitit's) beside a record of a run that did not is a rerun
+        refused before it wrote anything: the record is an earlier run's."""
         from memexp.progress import duration
         from memexp.result import BadRecord, load_record, mib
 
+        job = f"{count} job #{number} {' '.join(filter_overrides(overrides))}"
         try:
             record = load_record(result_file)
         except BadRecord as error:
-            return f"{count} job #{number} {' '.join(filter_overrides(overrides))}: {error}"
+            return f"{job}: {error}"
+        if status == "failed" and record["status"] in ("ok", "running"):
+            return (f"{job}: refused before it ran (its log says why); {result_file} is an "
+                    f"earlier run's record ({record['status']}), kept as it was")
         peak = (record.get("memory") or {}).get("peak_bytes")
-        return (f"{count} job #{number} {' '.join(filter_overrides(overrides))}: "
-                f"{record['status']}, peak {mib(peak)}, {duration(seconds)}")
+        return f"{job}: {record['status']}, peak {mib(peak)}, {duration(seconds)}"
 
     def __call__(self, sweep_overrides: list[str], singleton_state: dict,
                  sweep_config: DictConfig) -> JobReturn:
