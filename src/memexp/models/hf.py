@@ -143,8 +143,13 @@ def config_keys(config_class: type, auto: type) -> set[str]:
     its default config, the aliases of its attribute_map, its constructor's arguments), and
     those its model's code reads with getattr or hasattr where the class has none
     (DeBERTa-v2's position_buckets, GPT-2's classifier_dropout)."""
-    # the module of the class that `auto` builds for this config (all of its heads live there)
-    source = inspect.getsource(sys.modules[auto._model_mapping[config_class].__module__])
+    # the module of the class that `auto` builds for this config (all of its heads live there);
+    # where transformers is installed without its sources, only the class's own keys count (a
+    # key its code reads is then refused, with how to give it: config_extra)
+    try:
+        source = inspect.getsource(sys.modules[auto._model_mapping[config_class].__module__])
+    except (OSError, TypeError):
+        source = ""
     read = re.findall(r"(?:getattr|hasattr)\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']", source)
     return {*config_class().to_dict(), *config_class.attribute_map,
             *inspect.signature(config_class).parameters, *read}
