@@ -272,10 +272,10 @@ def conv_bn_pairs(model: nn.Module, sample_forward: SampleForward) -> list[tuple
     """(conv, BatchNorm) names, in module order, where the BatchNorm takes the conv's output
     tensor itself as its input and nothing else reads that output: what folding the BatchNorm
     into the conv leaves unchanged. The candidates are every conv and BatchNorm in the module
-    tree a fold can take, wherever they sit (HF's ResNetConvLayer, timm's ConvNormAct, an
-    nn.Sequential, a block's conv1 and bn1); `sample_forward` runs the model once, in eval mode
-    without gradients, and shows which pairs hold. No tracing: torch.fx refuses most Hub
-    models (data-dependent checks, dynamic control flow)."""
+    tree a fold can take, wherever they sit (HF's ResNetConvLayer, an nn.Sequential, a block's
+    conv1 and bn1, timm's deep stem and the bn1 after it); `sample_forward` runs the model once,
+    in eval mode without gradients, and shows which pairs hold. No tracing: torch.fx refuses
+    most Hub models (data-dependent checks, dynamic control flow)."""
     modules = dict(model.named_modules())
     consumers = _Consumers({n: m for n, m in modules.items() if _foldable_conv(m)},
                            {n: m for n, m in modules.items() if _foldable_norm(m)})
