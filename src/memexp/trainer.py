@@ -334,10 +334,14 @@ class Trainer:
         # What loading model.pretrained reported (memexp.models.hf), for the record; None
         # where no weights were loaded.
         self.model_load = LOADED.get(model)
-        check_signature(model, self.data.first_batch(), self.loss.passes_labels)
+        first = self.data.first_batch()
+        check_signature(model, first, self.loss.passes_labels)
         # The techniques, in this order:
-        # 1. BatchNorm changes first: they need the model's raw Conv->BN structure.
-        model = self.bn_mode.apply(model)
+        # 1. BatchNorm changes first: they need the model's raw Conv->BN structure, and may run
+        #    it on a sample (on the host, before it moves: one sample keeps that cheap).
+        sample = map_batch(first, lambda tensor: tensor[:1])
+        model = self.bn_mode.apply(model, functools.partial(
+            call_model, batch=sample, passes_labels=self.loss.passes_labels))
         # 2. Onto the device; precision casts parameters (pure half) before anything keeps a
         #    reference to them, and learns the device type for autocast.
         model = self.precision.apply(model.to(self.device))

@@ -1,30 +1,37 @@
 """bn_mode: how BatchNorm layers behave while the rest of the model trains.
 
-Every option is structural (`apply(model)`); `changed` names the modules it changed, which must
-run in the first forward pass (memexp.prechecks.FirstForward). Frozen BatchNorms keep their
-module names, parameters and state_dict: their class is swapped for a subclass whose `train()`
-leaves them in eval mode, so `model.train()` cannot undo the choice.
+Every option is structural (`apply(model, sample_forward)`, where `sample_forward(model)` runs
+the model on one sample of the first batch, for the options that must see it run); `changed`
+names the modules it changed, which must run in the first forward pass
+(memexp.prechecks.FirstForward). Frozen BatchNorms keep their module names, parameters and
+state_dict: their class is swapped for a subclass whose `train()` leaves them in eval mode, so
+`model.train()` cannot undo the choice.
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import logging
 import warnings
+import weakref
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 from torch.nn.modules.conv import _ConvNd
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from memexp.models.blocks import replace_module, resolve_blocks
 from memexp.techniques import NOTHING
 
 log = logging.getLogger("memexp")
+
+SampleForward = Callable[[nn.Module], object]
 
 
 def batchnorms(model: nn.Module) -> list[tuple[str, _BatchNorm]]:
@@ -64,7 +71,7 @@ class TrainBN:
         "BatchNorm normalizes each micro-batch of data.batch_size / optim.accumulate samples by "
         "its own statistics, not the whole batch by the batch's")
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, sample_forward: SampleForward) -> nn.Module:
         return model
 
 
@@ -82,7 +89,7 @@ class EvalBN:
                     "is normalized)")
     accumulation_changes_math = None  # no batch statistics
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, sample_forward: SampleForward) -> nn.Module:
         norms = batchnorms(model)
         if not norms:
             _no_batchnorm("eval", model)
@@ -133,10 +140,16 @@ class _FoldedConvBN(torch.autograd.Function):
             grad_out.to(x.dtype), x, folded, [folded.shape[0]], stride, padding, dilation, False,
             [0] * (weight.dim() - 2), groups, [ctx.needs_input_grad[0], True, True],
         )
+        del folded
         grad_folded, grad_shift = grad_folded.float(), grad_shift.float()
-        # d/dw of w*s is s; d/ds collects from w*s and from shift = (b - mean)*s + beta.
-        grad_weight = grad_folded * scale.view(per_channel)
-        grad_scale = (grad_folded * weight.float()).flatten(1).sum(1) - grad_shift * mean.float()
+        # d/dw of w*s is s; d/ds collects from w*s and from shift = (b - mean)*s + beta. No
+        # weight-sized temporary (the folded weight is freed, the sum over w*grad is a batched
+        # dot product, grad_folded is scaled in place): where the weights outweigh the
+        # activations (small images, wide late stages) each would raise the peak.
+        grad_scale = (torch.bmm(grad_folded.flatten(1).unsqueeze(1),
+                                weight.float().flatten(1).unsqueeze(2)).view(-1)
+                      - grad_shift * mean.float())
+        grad_weight = grad_folded.mul_(scale.view(per_channel))
         grad_bias = None
         if bias is not None:
             grad_scale = grad_scale + grad_shift * bias.float()
@@ -170,36 +183,112 @@ def _folded_norm_class(cls: type) -> type:
                 {"forward": _pass_through, "train": _always_eval})
 
 
-def _foldable(conv: nn.Module, norm: nn.Module) -> bool:
-    return (isinstance(conv, _ConvNd) and not conv.transposed and conv.padding_mode == "zeros"
-            and not isinstance(conv.padding, str) and isinstance(norm, _BatchNorm)
-            and norm.track_running_stats)
+# PyTorch's own forwards: the fold replaces the conv's forward and makes the BatchNorm's a
+# pass-through, so a subclass that changes either (weight standardization, padding computed per
+# input, an activation inside the norm as timm's BatchNormAct2d) would lose what it adds.
+_CONV_FORWARDS = (nn.Conv1d.forward, nn.Conv2d.forward, nn.Conv3d.forward)
 
 
-def conv_bn_pairs(model: nn.Module) -> list[tuple[str, str]]:
-    """(conv, BatchNorm) names where the BatchNorm is the conv's only consumer. Found by tracing
-    the model with torch.fx; for models fx cannot trace, by scanning nn.Sequential containers."""
+def _foldable_conv(module: nn.Module) -> bool:
+    return (isinstance(module, _ConvNd) and type(module).forward in _CONV_FORWARDS
+            and module.padding_mode == "zeros" and not isinstance(module.padding, str))
+
+
+def _foldable_norm(module: nn.Module) -> bool:
+    return (isinstance(module, _BatchNorm) and type(module).forward is _BatchNorm.forward
+            and module.track_running_stats)
+
+
+@dataclass(eq=False)
+class _ConvOutput:
+    conv: str
+    tensor: weakref.ref
+    norms: list[str] = field(default_factory=list)  # the BatchNorms that took it as input
+    read_elsewhere: bool = False  # by any other op: a view, an in-place change, a residual add
+
+
+class _Consumers(TorchDispatchMode):
+    """Who reads each output of the hooked convs during one forward pass: the hooked BatchNorms
+    that take that very tensor as their input (module hooks), and any other op (this mode sees
+    every op's arguments). Tensors are told apart by identity, held weakly."""
+
+    def __init__(self, convs: dict[str, nn.Module], norms: dict[str, nn.Module]):
+        super().__init__()
+        self.live: dict[int, _ConvOutput] = {}
+        self.outputs: list[_ConvOutput] = []
+        self.inputs: dict[str, list[str | None]] = {name: [] for name in norms}
+        self.reading: _ConvOutput | None = None  # the conv output the running BatchNorm takes
+        self.handles = [conv.register_forward_hook(self._conv_ran(name))
+                        for name, conv in convs.items()]
+        for name, norm in norms.items():
+            self.handles += [norm.register_forward_pre_hook(self._norm_starts(name)),
+                             norm.register_forward_hook(self._norm_ends)]
+
+    def _output(self, tensor: object) -> _ConvOutput | None:
+        output = self.live.get(id(tensor))
+        return output if output is not None and output.tensor() is tensor else None
+
+    def _conv_ran(self, name: str):
+        def hook(module: nn.Module, args, output: Tensor) -> None:
+            self.live[id(output)] = _ConvOutput(name, weakref.ref(output))
+            self.outputs.append(self.live[id(output)])
+        return hook
+
+    def _norm_starts(self, name: str):
+        def hook(module: nn.Module, args) -> None:
+            self.reading = self._output(args[0])
+            if self.reading is not None:
+                self.reading.norms.append(name)
+            self.inputs[name].append(self.reading and self.reading.conv)
+        return hook
+
+    def _norm_ends(self, module: nn.Module, args, output: Tensor) -> None:
+        self.reading = None
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace != "prim":  # prim ops read metadata (a fake tensor's device)
+            for leaf in tree_leaves((args, kwargs)):
+                output = self._output(leaf)
+                if output is not None and output is not self.reading:
+                    output.read_elsewhere = True
+        return func(*args, **(kwargs or {}))
+
+    def pairs(self) -> list[tuple[str, str]]:
+        """(conv, BatchNorm) where every call of the conv fed the BatchNorm alone, and every call
+        of the BatchNorm took the conv's output."""
+        consumers: dict[str, set[str | None]] = {}
+        for output in self.outputs:
+            only = len(output.norms) == 1 and not output.read_elsewhere
+            consumers.setdefault(output.conv, set()).add(output.norms[0] if only else None)
+        return [(conv, norm) for conv, norms in consumers.items() if len(norms) == 1
+                for norm in norms if norm is not None and set(self.inputs[norm]) == {conv}]
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def conv_bn_pairs(model: nn.Module, sample_forward: SampleForward) -> list[tuple[str, str]]:
+    """(conv, BatchNorm) names, in module order, where the BatchNorm takes the conv's output
+    tensor itself as its input and nothing else reads that output: what folding the BatchNorm
+    into the conv leaves unchanged. The candidates are every conv and BatchNorm in the module
+    tree a fold can take, wherever they sit (HF's ResNetConvLayer, an nn.Sequential, a block's
+    conv1 and bn1, timm's deep stem and the bn1 after it); `sample_forward` runs the model once,
+    in eval mode without gradients, and shows which pairs hold. No tracing: torch.fx refuses
+    most Hub models (data-dependent checks, dynamic control flow)."""
     modules = dict(model.named_modules())
+    consumers = _Consumers({n: m for n, m in modules.items() if _foldable_conv(m)},
+                           {n: m for n, m in modules.items() if _foldable_norm(m)})
+    training = {module: module.training for module in modules.values()}
     try:
-        graph = torch.fx.symbolic_trace(model).graph
-    except Exception as error:  # dynamic control flow and the like
-        warnings.warn(f"bn_mode=efficient_eval: torch.fx cannot trace {type(model).__name__} "
-                      f"({type(error).__name__}); looking for conv->BatchNorm pairs inside "
-                      "nn.Sequential containers only", stacklevel=3)
-        return [(f"{name}.{a}".lstrip("."), f"{name}.{b}".lstrip("."))
-                for name, seq in modules.items() if isinstance(seq, nn.Sequential)
-                for (a, conv), (b, norm) in itertools.pairwise(seq.named_children())
-                if _foldable(conv, norm)]
-    calls = Counter(node.target for node in graph.nodes if node.op == "call_module")
-    pairs = []
-    for node in graph.nodes:
-        source = node.args[0] if node.args else None
-        if (node.op == "call_module" and isinstance(source, torch.fx.Node)
-                and source.op == "call_module" and len(source.users) == 1
-                and calls[source.target] == calls[node.target] == 1
-                and _foldable(modules[source.target], modules[node.target])):
-            pairs.append((source.target, node.target))
-    return pairs
+        with consumers, torch.no_grad():
+            sample_forward(model.eval())
+    finally:
+        consumers.remove()
+        for module, mode in training.items():
+            module.training = mode
+    order = {name: i for i, name in enumerate(modules)}
+    return sorted(consumers.pairs(), key=lambda pair: order[pair[0]])
 
 
 @dataclass
@@ -219,16 +308,26 @@ class EfficientEvalBN:
     changes_math = EvalBN.changes_math  # the same outputs and gradients
     accumulation_changes_math = None
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, sample_forward: SampleForward) -> nn.Module:
         if self.modules:
             self.found = resolve_blocks(model, self.modules, "bn_mode.modules")
         norms = batchnorms(model)
         if not norms:
             raise ValueError(f"bn_mode=efficient_eval: {type(model).__name__} has no BatchNorm")
-        pairs = [(c, n) for c, n in conv_bn_pairs(model) if self._selected(c)]
+        pairs = [(c, n) for c, n in conv_bn_pairs(model, sample_forward)
+                 if self._selected(c) and self._selected(n)]
         if not pairs:
-            raise ValueError(f"bn_mode=efficient_eval found no conv->BatchNorm pair to fold in "
-                             f"{type(model).__name__} (modules={list(self.modules)})")
+            convs = [m for m in model.modules() if isinstance(m, _ConvNd)]
+            raise ValueError(
+                f"bn_mode=efficient_eval found no conv->BatchNorm pair to fold in "
+                f"{type(model).__name__} (modules={list(self.modules)}): "
+                f"{sum(_foldable_norm(m) for _, m in norms)} of its {len(norms)} BatchNorms can "
+                "be folded (running statistics kept, BatchNorm's own forward) and "
+                f"{sum(map(_foldable_conv, convs))} of its {len(convs)} convolutions (the "
+                "forward of nn.Conv1d/2d/3d, zero padding given as numbers), and in a forward "
+                "pass on one sample no such BatchNorm took such a conv's output as its input "
+                "with nothing else reading it. bn_mode=eval computes the same, without the "
+                "saving")
         folded = {norm for _, norm in pairs}
         for name, norm in norms:
             if name not in folded:
@@ -240,8 +339,10 @@ class EfficientEvalBN:
             norm.__class__ = _folded_norm_class(type(norm))
             norm.train(False)
         self.changed = {conv_name: model.get_submodule(conv_name) for conv_name, _ in pairs}
-        log.info("bn_mode=efficient_eval: folded %d of %d BatchNorms into their convs",
-                 len(pairs), len(norms))
+        holders = Counter(type(model.get_submodule(conv_name.rpartition(".")[0])).__name__
+                          for conv_name, _ in pairs)
+        log.info("bn_mode=efficient_eval: folded %d of %d BatchNorms into their convs (%s)",
+                 len(pairs), len(norms), ", ".join(f"{c} x{n}" for c, n in holders.items()))
         return model
 
     def _selected(self, name: str) -> bool:
@@ -296,7 +397,7 @@ class SyncBN:
     changes_math = None  # normalizes N ranks as one process with N times the batch
     accumulation_changes_math = TrainBN.accumulation_changes_math
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, sample_forward: SampleForward) -> nn.Module:
         norms = batchnorms(model)
         if not norms:
             _no_batchnorm("sync", model)
@@ -324,7 +425,7 @@ class GroupNormBN:
         if self.groups < 1:
             raise ValueError(f"bn_mode.groups={self.groups}: must be >= 1")
 
-    def apply(self, model: nn.Module) -> nn.Module:
+    def apply(self, model: nn.Module, sample_forward: SampleForward) -> nn.Module:
         norms = batchnorms(model)
         if not norms:
             _no_batchnorm("group_norm", model)
