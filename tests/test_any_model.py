@@ -22,8 +22,8 @@ from memexp.result import summary
 from memexp.trainer import Trainer, build, build_model
 
 from conftest import HF_BERT as BERT
-from conftest import HF_GPT2 as GPT2
 from conftest import HF_DATA, REPO, compose_train, step_memory, train
+from conftest import HF_GPT2 as GPT2
 
 # A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
 USER = ("model=custom", "model._target_=user_models.LayerStack", "data=tokens",
@@ -268,7 +268,7 @@ def test_weights_allowed_to_miss_are_in_result_json_and_the_summary(gpt2_folders
 
 def test_a_config_key_the_architecture_does_not_know_is_refused(gpt2_folders):
     says = (r"model.config.num_layers: GPT2Config has no key num_layers .* Did you mean "
-            r"n_layer, num_hidden_layers\? .* \+model.config_extra.num_layers=")
+            r"n_layer, num_labels, num_hidden_layers\? .* \+model.config_extra.num_layers=")
     with pytest.raises(ValueError, match=says):
         build_model(compose_train(*GPT2, "+model.config.num_layers=1").model)
     with pytest.raises(ValueError, match=says):  # over a folder's config as well
