@@ -1,5 +1,5 @@
 """Every technique against its baseline, on the ResNet, the transformer and two Hugging Face
-models (GPT-2 and BERT from configs, random weights), on CPU.
+models (GPT-2, BERT and T5 from configs, random weights), on CPU.
 
 For each row:
 - peak bytes and activation bytes (the meter's overall peak and its running peak of live
@@ -17,7 +17,11 @@ the library's own, bf16, accumulation). Their tables show the saved activations,
 holds beyond parameters and gradients, and the first 3 per-step losses against the reference
 row's, in place of the gradient-peak and optimizer columns.
 
-    python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|all] [--rounds 5]
+With --estimate, each HF row's `memexp estimate` against a real run of what it predicts (two
+steps and an evaluation, the live-storage tracker).
+
+    python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|hf-t5|all]
+                               [--rounds 5] [--estimate]
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from hydra import compose, initialize_config_dir
 from machine import describe_machine
 
 from memexp.config import config_dir
-from memexp.trainer import Trainer
+from memexp.estimate import estimate
+from memexp.loggers import NoLogger
+from memexp.trainer import Trainer, first_steps
 
 MIB = 2**20
 
@@ -55,6 +61,14 @@ MODELS = {
                 "+model.config.num_attention_heads=4", "+model.config.intermediate_size=512",
                 "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
                 "optim=sgd"),
+    # An encoder-decoder (model.task=seq2seq_lm): T5-small's depth (6 encoder and 6 decoder
+    # blocks) and structure at a quarter of its width (d_model 128 for 512, feed-forward 512 for
+    # 2048, 4 heads of 32 for 8 of 64) and the 2k vocabulary of the others: 3M parameters. At
+    # its full width (45M parameters with this vocabulary) a step took 20 s on 2 busy cores.
+    "hf-t5": ("model=hf", "model.arch=t5", "model.task=seq2seq_lm", "+model.config.d_model=128",
+              "+model.config.d_ff=512", "+model.config.num_heads=4", "+model.config.d_kv=32",
+              "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
+              "optim=sgd"),
 }
 
 # The HF correctness runs switch dropout off: a micro-batch of 2 draws other masks than a batch
@@ -66,6 +80,7 @@ NO_DROPOUT = {
                 "+model.config.attn_pdrop=0"),
     "hf-bert": ("+model.config.hidden_dropout_prob=0",
                 "+model.config.attention_probs_dropout_prob=0"),
+    "hf-t5": ("+model.config.dropout_rate=0",),
 }
 LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
@@ -265,6 +280,22 @@ def hf_table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def estimate_table(model: str) -> str:
+    """Each HF row's estimate against a real run of what it traces: the first two steps and
+    an evaluation (of 16 samples)."""
+    lines = [f"| {model}: technique | estimate MiB | measured MiB | estimate / measured |",
+             "|---|---:|---:|---:|"]
+    for row in hf_rows(model):
+        cfg = first_steps(compose_row(model, row, "data.num_eval=16"))
+        predicted = estimate(cfg).memory["peak_bytes"]
+        trainer = Trainer(cfg)
+        trainer.fit(NoLogger())
+        real = trainer.meter.report()["peak_bytes"]
+        lines.append(f"| {row.name} | {predicted / MIB:.2f} | {real / MIB:.2f}"
+                     f" | {predicted / real:.4f} |")
+    return "\n".join(lines)
+
+
 def errors(row: Row, correct: dict[str, tuple[torch.Tensor, list[float]]]) -> str:
     """The row's largest relative per-step loss difference and its gradient error, against its
     ref row's."""
@@ -299,6 +330,8 @@ def main() -> None:
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--estimate", action="store_true",
+                        help="the HF rows' estimates against real runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
@@ -306,6 +339,9 @@ def main() -> None:
         print()
         # The HF models (those with dropout to switch off) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
+        if args.estimate and model in NO_DROPOUT:
+            print()
+            print(estimate_table(model))
     if args.model in ("resnet", "all"):
         print()
         print(fold_table())

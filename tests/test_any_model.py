@@ -22,8 +22,8 @@ from memexp.result import summary
 from memexp.trainer import Trainer, build, build_model
 
 from conftest import HF_BERT as BERT
+from conftest import HF_DATA, REPO, compose_train, step_memory, train
 from conftest import HF_GPT2 as GPT2
-from conftest import REPO, compose_train, step_memory, train
 
 # A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
 USER = ("model=custom", "model._target_=user_models.LayerStack", "data=tokens",
@@ -268,7 +268,7 @@ def test_weights_allowed_to_miss_are_in_result_json_and_the_summary(gpt2_folders
 
 def test_a_config_key_the_architecture_does_not_know_is_refused(gpt2_folders):
     says = (r"model.config.num_layers: GPT2Config has no key num_layers .* Did you mean "
-            r"n_layer, num_hidden_layers\? .* \+model.config_extra.num_layers=")
+            r"n_layer, num_labels, num_hidden_layers\? .* \+model.config_extra.num_layers=")
     with pytest.raises(ValueError, match=says):
         build_model(compose_train(*GPT2, "+model.config.num_layers=1").model)
     with pytest.raises(ValueError, match=says):  # over a folder's config as well
@@ -364,3 +364,98 @@ def test_a_hugging_face_model_builds_without_torchaos_import_noise():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr
+
+
+# Encoder-decoders (model.task=seq2seq_lm), at unequal depths, and causal_lm refused where
+# transformers' class for it is an encoder-decoder's decoder alone.
+T5 = ("model=hf", "model.arch=t5", "model.task=seq2seq_lm", "+model.config.d_model=32",
+      "+model.config.d_ff=64", "+model.config.num_layers=2", "+model.config.num_decoder_layers=1",
+      "+model.config.num_heads=2", "+model.config.d_kv=16", "+model.config.vocab_size=64",
+      *HF_DATA)
+BART_3_2 = ("model=hf", "model.arch=bart", "model.task=seq2seq_lm",
+            "+model.config.encoder_layers=3", "+model.config.decoder_layers=2",
+            "+model.config.d_model=32", "+model.config.encoder_attention_heads=2",
+            "+model.config.decoder_attention_heads=2", "+model.config.encoder_ffn_dim=64",
+            "+model.config.decoder_ffn_dim=64", "+model.config.vocab_size=64",
+            "+model.config.max_position_embeddings=64", *HF_DATA)
+ENCODER_DECODERS = {"t5": T5, "bart": BART_3_2}
+
+
+@pytest.mark.parametrize(("model", "eos", "pad"), [("t5", 1, 0), ("bart", 2, 1)])
+def test_seq2seq_lm_sequences_end_in_the_models_eos_and_pad_with_its_pad_id(model, eos, pad):
+    batch = build(compose_train(*ENCODER_DECODERS[model]).data).first_batch()
+    ids, mask, labels = batch["input_ids"], batch["attention_mask"], batch["labels"]
+    ends = mask.sum(1) - 1
+    assert (ids[torch.arange(len(ids)), ends] == eos).all() and (ids[mask == 0] == pad).all()
+    assert (mask == 0).any()  # padded, as data.padding=0.25 asks
+    assert torch.equal(labels, ids.masked_fill(mask == 0, -100))
+    # a config with no end-of-sequence id: named, with the key to set
+    with pytest.raises(ValueError, match=r"data.eos_token_id: seq2seq_lm sequences end in .* "
+                                         r"\+model.config.eos_token_id"):
+        build(compose_train(*ENCODER_DECODERS[model], "+model.config.eos_token_id=null").data)
+
+
+@functools.cache
+def seq2seq_run(model: str, checkpointing: str) -> tuple[tuple[float, ...], dict, int]:
+    """Two steps of the encoder-decoder `model`: its losses, the blocks found, its peak."""
+    trainer, metrics = train(*ENCODER_DECODERS[model], f"checkpointing={checkpointing}", steps=2)
+    return tuple(metrics.losses), trainer.blocks, trainer.meter.report()["peak_bytes"]
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "full"])
+@pytest.mark.parametrize("model", ENCODER_DECODERS)
+def test_seq2seq_lm_checkpoints_encoder_and_decoder_with_equal_losses_and_is_estimated(
+        model, checkpointing):
+    losses, blocks, peak = seq2seq_run(model, checkpointing)
+    predicted = estimate(compose_train("trainer.max_steps=2", *ENCODER_DECODERS[model],
+                                       f"checkpointing={checkpointing}")).memory
+    assert predicted["peak_bytes"] == pytest.approx(peak, rel=0.03)
+    if checkpointing == "full":  # both sides' blocks, at their unequal depths
+        assert blocks == {"checkpointing": {
+            "t5": {"class": "T5Block", "count": 3},
+            "bart": {"class": "BartEncoderLayer, BartDecoderLayer", "count": 5}}[model]}
+        assert losses == seq2seq_run(model, "none")[0] and len(losses) == 2
+
+
+def test_auto_takes_the_decoders_blocks_beside_a_deeper_encoders():
+    def auto(*overrides: str) -> dict:
+        with torch.device("meta"):
+            model = build_model(compose_train(*overrides).model)
+        return resolve_blocks(model, ["auto"], "checkpointing.blocks").summary()
+
+    # masked_lm: BartForConditionalGeneration, as seq2seq_lm
+    assert auto(*BART_3_2, "model.task=masked_lm") == {
+        "class": "BartEncoderLayer, BartDecoderLayer", "count": 5}
+    # stages side by side are not an encoder and a decoder: RegNet's squeeze-excitation layers,
+    # in each stage beside its conv layers, stay out
+    assert auto("model=hf", "model.arch=regnet", "model.task=image_classification") == {
+        "class": "RegNetConvLayer", "count": 66}
+
+
+def test_t5s_decoder_start_id_is_its_pad_id_unless_set():
+    def config(*overrides: str):
+        with torch.device("meta"):
+            return build_model(compose_train(*T5, *overrides).model).config
+
+    assert config().decoder_start_token_id == 0  # T5's class has none
+    assert config("+model.config.decoder_start_token_id=3").decoder_start_token_id == 3
+
+
+@pytest.mark.parametrize(("arch", "says"), [
+    ("whisper", r"model.task=causal_lm: transformers' causal_lm class for model.arch=whisper, "
+                r"WhisperForCausalLM, is the decoder of the encoder-decoder "
+                r"WhisperForConditionalGeneration alone: a text-only decoder, with no encoder"),
+    ("bart", r"BartForCausalLM, is the decoder of the encoder-decoder "
+             r"BartForConditionalGeneration alone: .* The whole model: model.task=masked_lm or "
+             r"seq2seq_lm\. Its tasks: masked_lm, seq2seq_lm, sequence_classification, base$"),
+])
+def test_causal_lm_is_refused_where_it_is_an_encoder_decoders_decoder_alone(arch, says):
+    with pytest.raises(ValueError, match=says):
+        build_model(compose_train("model=hf", f"model.arch={arch}").model)
+
+
+def test_a_task_the_architecture_lacks_is_refused_naming_those_it_has():
+    with pytest.raises(ValueError, match=r"model.task=masked_lm: transformers has no masked_lm "
+                                         r"head for model.arch=t5; its tasks: seq2seq_lm, "
+                                         r"sequence_classification, token_classification, base"):
+        build_model(compose_train(*T5, "model.task=masked_lm").model)

@@ -80,7 +80,8 @@ def synthetic_tokens(
     )
 
 
-HF_TASKS = ("causal_lm", "masked_lm", "sequence_classification", "token_classification")
+HF_TASKS = ("causal_lm", "masked_lm", "seq2seq_lm", "sequence_classification",
+            "token_classification")
 
 
 def synthetic_hf_tokens(
@@ -90,6 +91,8 @@ def synthetic_hf_tokens(
     vocab_size: int = 1024,
     seq_len: int = 128,
     num_labels: int = 2,
+    pad_token_id: int = 0,
+    eos_token_id: int | None = None,
     num_train: int = 1024,
     num_eval: int = 128,
     padding: float = 0.25,
@@ -98,10 +101,14 @@ def synthetic_hf_tokens(
 ) -> TensorData:
     """Mapping batches for a Hugging Face task: `input_ids`, `attention_mask` and `labels`.
 
-    Each sequence ends in up to `padding` x seq_len padding positions (id 0, mask 0, label
-    -100), so the attention mask matters. Learnable, with a `noise` share of random tokens:
+    Each sequence ends in up to `padding` x seq_len padding positions (id `pad_token_id`, mask
+    0, label -100), so the attention mask matters. Learnable, with a `noise` share of random
+    tokens:
     - causal_lm: each token follows from the two before it by a fixed linear rule mod the
       vocabulary; labels are the inputs (the model shifts them);
+    - seq2seq_lm (encoder-decoders): the same sequences, each ending in `eos_token_id`, as a
+      tokenizer ends them; labels are the inputs, to copy (the model builds its decoder's
+      inputs from them, shifted right after its decoder_start_token_id);
     - masked_lm: the same sequences with 15% of tokens replaced by the last id, labelled there;
     - sequence_classification: one label per sequence; its tokens are mostly those whose id is
       the label modulo num_labels;
@@ -112,6 +119,10 @@ def synthetic_hf_tokens(
                          "follows model.task)")
     if not 0 <= padding < 1:
         raise ValueError(f"data.padding={padding}: must be in [0, 1)")
+    if task == "seq2seq_lm" and eos_token_id is None:
+        raise ValueError("data.eos_token_id: seq2seq_lm sequences end in the model's "
+                         "end-of-sequence id, and the model's config has none: set "
+                         "+model.config.eos_token_id (or data.eos_token_id)")
     generator = torch.Generator().manual_seed(seed)
     # The rule's factors are coprime to the vocabulary, so that it reaches every token.
     coprime = [f for f in range(1, vocab_size) if math.gcd(f, vocab_size) == 1]
@@ -136,6 +147,8 @@ def synthetic_hf_tokens(
         lengths = seq_len - torch.randint(int(padding * seq_len) + 1, (count,),
                                           generator=generator)
         mask = (torch.arange(seq_len) < lengths[:, None]).long()
+        if task == "seq2seq_lm":
+            tokens[torch.arange(count), lengths - 1] = eos_token_id
         if task == "sequence_classification":
             labels = labels_per_sequence
         elif task == "token_classification":
@@ -148,8 +161,8 @@ def synthetic_hf_tokens(
             labels = tokens.clone()
         if labels.dim() == 2:
             labels = labels.masked_fill(mask == 0, IGNORE)
-        return Columns({"input_ids": tokens.masked_fill(mask == 0, 0), "attention_mask": mask,
-                        LABELS: labels})
+        return Columns({"input_ids": tokens.masked_fill(mask == 0, pad_token_id),
+                        "attention_mask": mask, LABELS: labels})
 
     train = split(num_train)
     return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed,

@@ -6,8 +6,10 @@ sharding and efficient_eval's `modules` all name their modules the same way, as 
 - `[auto]`: the largest group of same-class modules (with submodules of their own) that sit in an
   `nn.ModuleList` or `nn.Sequential`: GPT2Block, BertLayer, timm's BasicBlock and ConvNeXtBlock,
   memexp's own blocks. Ties go to the class with more siblings in one container; classes that
-  still tie are all taken (BART's encoder and decoder layers, two per side in a small config):
-  choosing one would leave the other half of the model unchanged;
+  still tie are all taken, and so are the groups held beside the chosen ones, in a container
+  whose name differs from theirs in one named part only (BART's `model.decoder.layers` beside
+  `model.encoder.layers`, of whatever depth): choosing one would leave the other half of an
+  encoder-decoder unchanged;
 - class names, such as `[GPT2Block]` (every module of that class);
 - glob patterns over module names, such as `[transformer.h.*]` or `[layer*.*]`.
 
@@ -100,7 +102,7 @@ def all_named_modules(model: nn.Module) -> dict[str, nn.Module]:
 
 def auto_blocks(model: nn.Module) -> list[str]:
     """Names of the largest group (or groups, where they tie) of same-class composite modules
-    held in containers."""
+    held in containers, with the groups held beside them."""
     modules = all_named_modules(model)
     kinds: dict[str, str] = {}  # member name -> its class, in model order
     here: Counter = Counter()  # (container, class) -> members in that container
@@ -118,8 +120,23 @@ def auto_blocks(model: nn.Module) -> list[str]:
     for (_, kind), count in here.items():
         siblings[kind] = max(siblings[kind], count)
     best = max((counts[kind], siblings[kind]) for kind in counts)
-    return outermost([name for name, kind in kinds.items()
-                      if (counts[kind], siblings[kind]) == best])
+    chosen = {kind for kind in counts if (counts[kind], siblings[kind]) == best}
+    places = {container for container, kind in here if kind in chosen}
+    chosen |= {kind for container, kind in here
+               if any(beside(container, place) for place in places)}
+    return outermost([name for name, kind in kinds.items() if kind in chosen])
+
+
+def beside(a: str, b: str) -> bool:
+    """Whether module names `a` and `b` differ in one of their dotted parts only, a name rather
+    than an index: model.encoder.layers and model.decoder.layers, not stages.0.layers and
+    stages.1.layers (a stage's extra modules, such as RegNet's squeeze-excitation layers, are
+    not the blocks)."""
+    parts_a, parts_b = a.split("."), b.split(".")
+    if len(parts_a) != len(parts_b):
+        return False
+    differ = [(x, y) for x, y in zip(parts_a, parts_b, strict=True) if x != y]
+    return len(differ) == 1 and not any(part.isdigit() for part in differ[0])
 
 
 def repeating_classes(model: nn.Module) -> str:

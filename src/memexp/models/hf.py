@@ -14,6 +14,7 @@ import re
 import sys
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from memexp.models import LOADED, plain
@@ -24,6 +25,7 @@ from memexp.quiet import quiet_torchao_import
 TASKS = {
     "causal_lm": ("AutoModelForCausalLM", "MODEL_FOR_CAUSAL_LM_MAPPING_NAMES"),
     "masked_lm": ("AutoModelForMaskedLM", "MODEL_FOR_MASKED_LM_MAPPING_NAMES"),
+    "seq2seq_lm": ("AutoModelForSeq2SeqLM", "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES"),
     "sequence_classification": ("AutoModelForSequenceClassification",
                                 "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES"),
     "token_classification": ("AutoModelForTokenClassification",
@@ -40,10 +42,29 @@ def known_architectures() -> list[str]:
     return sorted(CONFIG_MAPPING_NAMES)
 
 
-def tasks_of(arch: str) -> list[str]:
+# transformers' tables of whole encoder-decoder models, text and speech
+ENCODER_DECODER_TABLES = ("MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES",
+                          "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES")
+
+
+def decoder_alone(arch: str) -> tuple[str, str] | None:
+    """(its causal_lm class, its encoder-decoder class) where `arch`'s causal_lm class is the
+    decoder of an encoder-decoder alone (WhisperForCausalLM, BartForCausalLM): an encoder-decoder
+    table names another class for `arch`. None where the causal_lm class is the whole model."""
     from transformers.models.auto import modeling_auto
 
-    return [task for task, (_, table) in TASKS.items() if arch in getattr(modeling_auto, table)]
+    decoder = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(arch)
+    wholes = [getattr(modeling_auto, table).get(arch) for table in ENCODER_DECODER_TABLES]
+    whole = next((name for name in wholes if name not in (None, decoder)), None)
+    return (decoder, whole) if decoder and whole else None
+
+
+def tasks_of(arch: str) -> list[str]:
+    """The tasks `arch` has a head for; not causal_lm where that is its decoder alone."""
+    from transformers.models.auto import modeling_auto
+
+    return [task for task, (_, table) in TASKS.items() if arch in getattr(modeling_auto, table)
+            and not (task == "causal_lm" and decoder_alone(arch))]
 
 
 def check_choice(arch: str, task: str) -> None:
@@ -56,6 +77,19 @@ def check_choice(arch: str, task: str) -> None:
             f"model.arch={arch}: not a transformers architecture (transformers "
             f"{_version()})." + (f" Did you mean {', '.join(close)}?" if close else "")
             + f" The {len(known)} known architectures: {', '.join(known)}")
+    parts = decoder_alone(arch) if task == "causal_lm" else None
+    if parts:
+        from transformers.models.auto import modeling_auto
+
+        decoder, whole = parts
+        wholes = [other for other, (_, table) in TASKS.items()
+                  if getattr(modeling_auto, table).get(arch) == whole]
+        raise ValueError(
+            f"model.task=causal_lm: transformers' causal_lm class for model.arch={arch}, "
+            f"{decoder}, is the decoder of the encoder-decoder {whole} alone: a text-only "
+            "decoder, with no encoder, and the run would measure part of the model. "
+            + (f"The whole model: model.task={' or '.join(wholes)}. " if wholes else "")
+            + f"Its tasks: {', '.join(tasks_of(arch)) or 'none'}")
     if task not in tasks_of(arch):
         raise ValueError(f"model.task={task}: transformers has no {task} head for "
                          f"model.arch={arch}; its tasks: {', '.join(tasks_of(arch)) or 'none'}")
@@ -86,38 +120,26 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
     gradient_checkpointing: the library's own gradient checkpointing (`activation_checkpointing_
                  enable()`, formerly gradient_checkpointing_enable), non-reentrant, to compare
                  with memexp's checkpointing (use one or the other)"""
+    # before anything heavy: a task the architecture lacks is refused naming those it has
+    check_choice(arch, task)
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # transformers' modeling code imports torchao where it is installed: once, quietly, here
     with quiet_torchao_import():
         import transformers.modeling_utils  # noqa: F401
 
-    check_choice(arch, task)
-    overrides, config_class = plain(config), CONFIG_MAPPING[arch]
     auto = getattr(transformers, TASKS[task][0])
-    if pretrained is None:
-        built = config_class(**overrides, **plain(config_extra))
-    else:
-        folder = Path(pretrained).expanduser()
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.pretrained={pretrained}: no config.json there. Put a folder written by "
-                "`model.save_pretrained(folder)` (config.json and model.safetensors) there; "
-                "nothing is downloaded")
-        saved, _ = config_class.get_config_dict(folder, local_files_only=True)
-        if saved.get("model_type") != arch:
-            raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
-                             f"model, but model.arch={arch}")
-        # The keys go in with the saved ones, as they do without a folder: from_pretrained's
-        # own overrides are set after the config is built, where what follows from them
-        # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
-        # converts (rope_theta) is dropped.
-        built = config_class.from_dict({**saved, **overrides, **plain(config_extra)})
-    refuse_unknown_keys(built, overrides, auto)
+    built = hf_config(arch, config, config_extra, pretrained)
+    refuse_unknown_keys(built, plain(config), auto)
+    if built.is_encoder_decoder and getattr(built, "decoder_start_token_id", None) is None:
+        # The decoder's inputs are the labels shifted right after this id. T5's config class
+        # has none (its published config.json files set the pad id, which transformers' own
+        # error advises): a model built from the class alone would fail on its first labels.
+        built.decoder_start_token_id = built.pad_token_id
     if pretrained is None:
         model = auto.from_config(built)
     else:
+        folder = Path(pretrained).expanduser()
         # Shapes that differ are reported with the rest rather than raised: transformers'
         # own error points at its log.
         model, loading = auto.from_pretrained(folder, config=built, local_files_only=True,
@@ -138,11 +160,58 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
     return model
 
 
+def hf_config(arch: str, config: dict | None, config_extra: dict | None,
+              pretrained: str | None):
+    """The config `arch`'s model is built from: its class's defaults, or model.pretrained's
+    config.json, with model.config's keys and config_extra's over them."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    overrides, config_class = {**plain(config), **plain(config_extra)}, CONFIG_MAPPING[arch]
+    if pretrained is None:
+        return config_class(**overrides)
+    folder = Path(pretrained).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.pretrained={pretrained}: no config.json there. Put a folder written by "
+            "`model.save_pretrained(folder)` (config.json and model.safetensors) there; "
+            "nothing is downloaded")
+    saved, _ = config_class.get_config_dict(folder, local_files_only=True)
+    if saved.get("model_type") != arch:
+        raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
+                         f"model, but model.arch={arch}")
+    # The keys go in with the saved ones, as they do without a folder: from_pretrained's own
+    # overrides are set after the config is built, where what follows from them (Qwen2's
+    # layer_types from num_hidden_layers) is not recomputed, and a key the class converts
+    # (rope_theta) is dropped.
+    return config_class.from_dict({**saved, **overrides})
+
+
+def config_value(key: str, default, *, _root_: DictConfig):
+    """`${memexp.hf_config:key,default}`: `key` of the config that model=hf builds its model
+    from, for data that must agree with it (the padding and end-of-sequence ids); `default`
+    for another model, and where the config has none (GPT-2 has no pad id)."""
+    model = OmegaConf.select(_root_, "model")  # as oc.select: none in a data config alone
+    if (model is None or model._target_ != f"{__name__}.{hf_model.__name__}"
+            or model.arch not in known_architectures()):
+        return default
+    try:
+        built = hf_config(model.arch, model.config, model.config_extra, model.pretrained)
+    except (ValueError, FileNotFoundError):
+        # A folder that holds no config, or another model's (and above, an unknown
+        # architecture): the model's own build refuses it in the run's summary, naming the key,
+        # where Hydra would wrap it in its own error here.
+        return default
+    # not every config class has every key (T5's has no decoder_start_token_id)
+    value = getattr(built, key, None)
+    return default if value is None else value
+
+
 def config_keys(config_class: type, auto: type) -> set[str]:
     """The keys model.config may set: those of the architecture's config class (the fields of
     its default config, the aliases of its attribute_map, its constructor's arguments), and
-    those its model's code reads with getattr or hasattr where the class has none
-    (DeBERTa-v2's position_buckets, GPT-2's classifier_dropout)."""
+    those its model's code reads where the class has none: with getattr or hasattr (DeBERTa-v2's
+    position_buckets, GPT-2's classifier_dropout), or as an attribute (T5's
+    decoder_start_token_id, which its published config.json files set)."""
     # the module of the class that `auto` builds for this config (all of its heads live there);
     # where transformers is installed without its sources, only the class's own keys count (a
     # key its code reads is then refused, with how to give it: config_extra)
@@ -150,7 +219,8 @@ def config_keys(config_class: type, auto: type) -> set[str]:
         source = inspect.getsource(sys.modules[auto._model_mapping[config_class].__module__])
     except (OSError, TypeError):
         source = ""
-    read = re.findall(r"(?:getattr|hasattr)\(\s*[\w.]*config\w*\s*,\s*[\"'](\w+)[\"']", source)
+    read = re.findall(r"(?:(?:getattr|hasattr)\(\s*[\w.]*config\w*\s*,\s*[\"']|\bconfig\.)(\w+)",
+                      source)
     return {*config_class().to_dict(), *config_class.attribute_map,
             *inspect.signature(config_class).parameters, *read}
 
