@@ -10,7 +10,8 @@ wall and of CPU time (the estimate is single-threaded Python, so on an idle mach
 on a busy one CPU time is what the estimate itself cost), the growth per doubling, and the share
 of the machine other processes took meanwhile.
 
-    python bench/estimate.py [--repeats 3] [--skip-accuracy] [--skip-scale] [--skip-layers]
+    python bench/estimate.py [--repeats 3] [--model NAME] [--skip-accuracy] [--skip-scale]
+                             [--skip-layers]
 
 Targets: at most 2.2x per doubling of the layers; the 70B-sized config in under 20 s.
 """
@@ -22,6 +23,7 @@ import statistics
 import time
 
 from machine import describe_machine
+from techniques import MODELS as TECHNIQUE_MODELS
 
 from memexp.estimate import compose_config, estimate
 from memexp.loggers import NoLogger
@@ -36,6 +38,9 @@ MODELS = {
     "transformer": ("model=transformer", "model.n_layers=8", "data.batch_size=16",
                     "data.num_eval=32"),
     "mlp": ("model=mlp", "data.batch_size=256", "data.num_eval=512"),
+    # timm's ConvNeXt and ViT as bench/techniques.py sizes them, with the options of its rows.
+    **{model: (*TECHNIQUE_MODELS[model], "data.num_eval=64") for model in ("timm-convnext",
+                                                                            "timm-vit")},
 }
 OPTIONS = [
     (),
@@ -48,19 +53,22 @@ OPTIONS = [
 ]
 BN_ONLY = {"bn_mode=efficient_eval", "bn_mode=group_norm"}
 BLOCKS_ONLY = {"checkpointing=full", "checkpointing=offload"}  # the MLP has no model.blocks
+TIMM_OPTIONS = {(), ("checkpointing=full",), ("checkpointing=offload",), ("precision=bf16",),
+                ("optim.accumulate=4",)}
 
 
-def accuracy() -> None:
+def accuracy(models: list[str]) -> None:
     print("| model | techniques | estimate MiB | measured MiB | estimate / measured | "
           "estimate s |")
     print("|---|---|---:|---:|---:|---:|")
     worst = 0.0
-    for model, sizes in MODELS.items():
+    for model in models:
         for option in OPTIONS:
             if (model != "resnet" and BN_ONLY & set(option)) or (
-                    model == "mlp" and BLOCKS_ONLY & set(option)):
+                    model == "mlp" and BLOCKS_ONLY & set(option)) or (
+                    model.startswith("timm-") and option not in TIMM_OPTIONS):
                 continue
-            cfg = compose_config([*CPU, *sizes, *option])
+            cfg = compose_config([*CPU, *MODELS[model], *option])
             predicted = estimate(cfg)
             trainer = Trainer(cfg)
             trainer.fit(NoLogger())
@@ -127,13 +135,15 @@ def layers(repeats: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", choices=[*MODELS, "all"], default="all",
+                        help="the models of the accuracy part")
     parser.add_argument("--skip-accuracy", action="store_true")
     parser.add_argument("--skip-scale", action="store_true")
     parser.add_argument("--skip-layers", action="store_true")
     args = parser.parse_args()
     print(describe_machine())
     if not args.skip_accuracy:
-        accuracy()
+        accuracy(list(MODELS) if args.model == "all" else [args.model])
     if not args.skip_scale:
         scale(args.repeats)
     if not args.skip_layers:

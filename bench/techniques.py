@@ -1,5 +1,6 @@
-"""Every technique against its baseline, on the ResNet, the transformer and two Hugging Face
-models (GPT-2, BERT and T5 from configs, random weights), on CPU.
+"""Every technique against its baseline, on the ResNet, the transformer, three Hugging Face
+models (GPT-2, BERT and T5 from configs) and two timm models (ConvNeXt and ViT), random weights,
+on CPU.
 
 For each row:
 - peak bytes and activation bytes (the meter's overall peak and its running peak of live
@@ -12,15 +13,15 @@ For each row:
   against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
-The HF models get the rows that concern them (checkpointing none/full/selective/offload beside
-the library's own, bf16, accumulation). Their tables show the saved activations, what the peak
-holds beyond parameters and gradients, and the first 3 per-step losses against the reference
-row's, in place of the gradient-peak and optimizer columns.
+The HF and timm models get the rows that concern them (checkpointing none/full/selective/offload,
+beside the library's own for HF, bf16, accumulation). Their tables show the saved activations,
+what the peak holds beyond parameters and gradients, and the first 3 per-step losses against the
+reference row's, in place of the gradient-peak and optimizer columns.
 
-With --estimate, each HF row's `memexp estimate` against a real run of what it predicts (two
-steps and an evaluation, the live-storage tracker).
+With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
+predicts (two steps and an evaluation, the live-storage tracker).
 
-    python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|hf-t5|all]
+    python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
                                [--rounds 5] [--estimate]
 """
 
@@ -69,6 +70,12 @@ MODELS = {
               "+model.config.d_ff=512", "+model.config.num_heads=4", "+model.config.d_kv=32",
               "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
               "optim=sgd"),
+    # timm's smallest ConvNeXt and ViT-Tiny, by their registry names, on 64-pixel images (the
+    # ViT's patch grid resized to them: 4x4 patches and a class token).
+    "timm-convnext": ("model=timm", "model.name=convnext_atto", "data.image_size=64",
+                      "data.batch_size=16", "optim=sgd"),
+    "timm-vit": ("model=timm", "model.name=vit_tiny_patch16_224", "+model.kwargs.img_size=64",
+                 "data.image_size=64", "data.batch_size=32", "optim=sgd"),
 }
 
 # The HF correctness runs switch dropout off: a micro-batch of 2 draws other masks than a batch
@@ -81,6 +88,9 @@ NO_DROPOUT = {
     "hf-bert": ("+model.config.hidden_dropout_prob=0",
                 "+model.config.attention_probs_dropout_prob=0"),
     "hf-t5": ("+model.config.dropout_rate=0",),
+    # timm builds them with drop_rate=0 and drop_path_rate=0: nothing to switch off.
+    "timm-convnext": (),
+    "timm-vit": (),
 }
 LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
@@ -106,19 +116,21 @@ def accumulation_row(model: str) -> Row:
 
 
 def hf_rows(model: str) -> list[Row]:
-    """The HF models' rows: every checkpointing option that applies to them beside the library's
-    own, bf16 and accumulation (sequential is refused on their nn.ModuleList). A causal LM's
-    loss is a mean over each micro-batch's labelled tokens, whose number padding varies:
-    accumulation is also compared on data without padding."""
+    """The HF and timm models' rows: every checkpointing option that applies to them, beside the
+    library's own for HF, bf16 and accumulation (sequential is refused on HF's nn.ModuleList).
+    A causal LM's loss is a mean over each micro-batch's labelled tokens, whose number padding
+    varies: accumulation is also compared on data without padding."""
     rows = [
         Row(BASELINE, ()),
         Row("checkpointing=full", ("checkpointing=full",)),
         Row("checkpointing=selective every=2", ("checkpointing=selective",)),
         Row("checkpointing=offload", ("checkpointing=offload",)),
-        Row("the library's own gradient checkpointing", ("model.gradient_checkpointing=true",)),
         Row("precision=bf16", ("precision=bf16",)),
         accumulation_row(model),
     ]
+    if "model=hf" in MODELS[model]:
+        rows.insert(4, Row("the library's own gradient checkpointing",
+                           ("model.gradient_checkpointing=true",)))
     if "model.task=causal_lm" in MODELS[model]:
         unpadded = Row("baseline, data.padding=0", ("data.padding=0",), ref=None)
         accumulated = accumulation_row(model)
@@ -337,7 +349,7 @@ def main() -> None:
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
-        # The HF models (those with dropout to switch off) have tables of their own.
+        # The HF and timm models (those in NO_DROPOUT) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
         if args.estimate and model in NO_DROPOUT:
             print()

@@ -43,7 +43,6 @@ SKIPS = [
     ("data.batch_size=auto", "needs a GPU (on CPU it needs memory.budget, as the README says)"),
     ("data=cifar10", "needs the CIFAR-10 files in ~/datasets (nothing is downloaded)"),
     ("model.pretrained=", "needs your own weights at that path"),
-    ("model=timm", "timm does not import beside the pinned CPU torch (no torchvision)"),
     ("mypkg.", "mypkg is a placeholder for your own package"),
 ]
 

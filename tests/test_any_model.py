@@ -13,6 +13,7 @@ import sys
 import pytest
 import torch
 from omegaconf import OmegaConf
+from test_estimate import LLAMA
 
 from memexp.app import run_config
 from memexp.estimate import estimate
@@ -323,11 +324,8 @@ def test_the_readmes_model_commands_compose_as_written(model):
         compose_train(*overrides)
 
 
-def test_the_readmes_timm_commands_run_where_timm_imports(tmp_path, monkeypatch):
-    try:
-        import timm
-    except Exception as error:  # torchvision beside a CPU torch it was not built for
-        pytest.skip(f"timm does not import here: {type(error).__name__}: {error}")
+def test_the_readmes_timm_commands_run(tmp_path, monkeypatch):
+    import timm
     from safetensors.torch import save_file
 
     # The README's weights file, under a home of the test's own.
@@ -337,12 +335,28 @@ def test_the_readmes_timm_commands_run_where_timm_imports(tmp_path, monkeypatch)
     save_file(weights, str(tmp_path / "weights" / "resnet50.safetensors"))
     for overrides in readme_commands("timm"):
         built = Trainer(compose_train(*overrides, "trainer.max_steps=1", "data.batch_size=2",
-                                      "data.image_size=32"))
+                                      "data.image_size=32", "data.num_train=4",
+                                      "data.num_eval=2"))
         if "checkpointing=full" in overrides:
             assert built.checkpointing.found.summary()["count"] > 1
         if any(o.startswith("model.pretrained=") for o in overrides):
             assert torch.equal(built.model.state_dict()["conv1.weight"], weights["conv1.weight"])
         assert len(built.fit(NoLogger()).losses) == 1
+
+
+def test_model_hf_builds_beside_timm_and_its_torchvision():
+    # The timm extra brings PyPI's torchvision, whose compiled ops do not load beside the CPU
+    # torch; transformers imports torchvision wherever it is installed, so this import failed
+    # (`operator torchvision::nms does not exist`). A new process: nothing imported before it.
+    code = ("from transformers import LlamaConfig\n"
+            "from memexp.estimate import compose_config\n"
+            "from memexp.trainer import build_model\n"
+            f"model = build_model(compose_config({list(LLAMA)!r}).model)\n"
+            "assert isinstance(model.config, LlamaConfig)\n"
+            "import timm, torchvision\n"
+            "timm.create_model('convnext_atto', num_classes=10)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
 
 
 def test_hf_config_keys_stay_as_documented():

@@ -37,11 +37,6 @@ def required_overrides(group: str, option: str, tmp_path: Path) -> list[str]:
         split = datasets.Dataset.from_dict({"input_ids": [[1, 2]] * 8, "labels": [[2, 3]] * 8})
         datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / "hf"))
         return [f"data.path={tmp_path / 'hf'}", "data.columns=[input_ids,labels]"]
-    if option == "timm":
-        try:
-            import timm  # noqa: F401
-        except Exception as error:  # torchvision beside a CPU torch it was not built for
-            pytest.skip(f"timm does not import here: {type(error).__name__}: {error}")
     return []
 
 

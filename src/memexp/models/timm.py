@@ -3,15 +3,16 @@
     python train.py model=timm model.name=resnet34
 
 timm models are plain nn.Modules that return logits, so every technique reaches them through
-the generic path (block-level ones find their blocks with the resolver). timm imports torchvision;
-where that does not import (PyPI's torchvision beside a pinned CPU torch), building one is a
-clear error.
+the generic path (block-level ones find their blocks with the resolver). timm is memexp's `timm`
+extra, which the Makefile installs; it imports torchvision, whose compiled ops need not load
+(memexp.torchvision_ops). Where timm is missing or does not import, building one is a clear error.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import torch
 from torch import nn
 
 from memexp.models import plain
@@ -23,13 +24,14 @@ def timm_model(name: str, num_classes: int, in_channels: int = 3, pretrained: st
     a local weights file (never downloaded); `kwargs` go to create_model (drop_rate, ...)."""
     try:
         import timm
-    except Exception as error:  # ImportError, or torchvision failing beside this torch
+    except Exception as error:  # not installed, or its torchvision failing beside this torch
         # from None: the model builder reports the innermost cause, which would be timm's
         # import error alone, as if memexp.models.timm could not be imported.
         raise RuntimeError(
             f"model=timm needs timm, which does not import here ({type(error).__name__}: "
-            f"{error}). Install timm with a torchvision built for this torch, or give the "
-            "network as model=custom model._target_=pkg.Class") from None
+            f"{error}). Install memexp's timm extra, as make install does (pip install -e "
+            f"'.[timm]' torch=={torch.__version__.split('+')[0]}: torch again, so that pip keeps "
+            "this torch), or give the network as model=custom model._target_=pkg.Class") from None
     extra = plain(kwargs)
     if pretrained is not None:
         weights = Path(pretrained).expanduser()  # timm opens the path as given: no ~
