@@ -55,6 +55,21 @@ MODELS = {
                 "+model.config.num_attention_heads=4", "+model.config.intermediate_size=512",
                 "+model.config.vocab_size=2048", "data.seq_len=64", "data.batch_size=8",
                 "optim=sgd"),
+    # Whisper-tiny, whose sizes are WhisperConfig's defaults (4+4 layers at width 384, 6 heads,
+    # 80 mel bins, a 51865-token vocabulary), on 64-token transcripts, batch 4. Its windows are
+    # cut from 30 s (3000 frames) to 7.5 s (max_source_positions 375): a step of the full
+    # window took 20 s on 2 busy cores.
+    "hf-whisper-tiny": ("model=hf", "model.arch=whisper", "model.task=speech_seq2seq",
+                        "+model.config.max_source_positions=375", "data.seq_len=64",
+                        "data.batch_size=4", "data.num_train=64", "data.num_eval=8",
+                        "optim=sgd"),
+    # wav2vec2-base, whose sizes are Wav2Vec2Config's defaults (12 layers at width 768, the
+    # 7-layer conv feature encoder), on 1 s of 16 kHz audio (49 frames), batch 4; the CTC loss
+    # a mean over the batch, as fine-tuning sets it (a sum by default).
+    "hf-wav2vec2-base": ("model=hf", "model.arch=wav2vec2", "model.task=ctc",
+                         "+model.config.ctc_loss_reduction=mean", "data.seq_len=49",
+                         "data.batch_size=4", "data.num_train=64", "data.num_eval=8",
+                         "optim=sgd"),
 }
 
 # The HF correctness runs switch dropout off: a micro-batch of 2 draws other masks than a batch
@@ -66,6 +81,12 @@ NO_DROPOUT = {
                 "+model.config.attn_pdrop=0"),
     "hf-bert": ("+model.config.hidden_dropout_prob=0",
                 "+model.config.attention_probs_dropout_prob=0"),
+    "hf-whisper-tiny": (),  # its dropouts are 0 by default
+    # and SpecAugment's masks, and LayerDrop
+    "hf-wav2vec2-base": ("+model.config.hidden_dropout=0", "+model.config.attention_dropout=0",
+                         "+model.config.activation_dropout=0", "+model.config.feat_proj_dropout=0",
+                         "+model.config.final_dropout=0", "+model.config.layerdrop=0",
+                         "+model.config.mask_time_prob=0"),
 }
 LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
@@ -165,7 +186,8 @@ def correctness_run(model: str, row: Row, *extra: str,
     trainer = Trainer(compose_row(model, row, "memory.track=false", "optim=sgd",
                                   "optim.in_backward=false", *extra))
     trainer.model.train()
-    params = list(trainer.model.parameters())
+    # those that train (Whisper's encoder keeps its sinusoidal positions frozen)
+    params = [param for param in trainer.model.parameters() if param.requires_grad]
     captured: dict[int, torch.Tensor] = {}
     # After the last micro-batch's backward, the hook holds the step's whole gradient.
     hooks = [param.register_post_accumulate_grad_hook(

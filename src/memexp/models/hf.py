@@ -30,6 +30,10 @@ TASKS = {
                              "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
     "image_classification": ("AutoModelForImageClassification",
                              "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    # audio: log-mel input_features to text (Whisper), and raw input_values to characters by
+    # CTC (wav2vec2, HuBERT); data=hf_tokens shapes its features by the model's config
+    "speech_seq2seq": ("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
     "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
 }
 
@@ -87,37 +91,19 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
                  enable()`, formerly gradient_checkpointing_enable), non-reentrant, to compare
                  with memexp's checkpointing (use one or the other)"""
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     # transformers' modeling code imports torchao where it is installed: once, quietly, here
     with quiet_torchao_import():
         import transformers.modeling_utils  # noqa: F401
 
     check_choice(arch, task)
-    overrides, config_class = plain(config), CONFIG_MAPPING[arch]
     auto = getattr(transformers, TASKS[task][0])
-    if pretrained is None:
-        built = config_class(**overrides, **plain(config_extra))
-    else:
-        folder = Path(pretrained).expanduser()
-        if not (folder / "config.json").is_file():
-            raise FileNotFoundError(
-                f"model.pretrained={pretrained}: no config.json there. Put a folder written by "
-                "`model.save_pretrained(folder)` (config.json and model.safetensors) there; "
-                "nothing is downloaded")
-        saved, _ = config_class.get_config_dict(folder, local_files_only=True)
-        if saved.get("model_type") != arch:
-            raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
-                             f"model, but model.arch={arch}")
-        # The keys go in with the saved ones, as they do without a folder: from_pretrained's
-        # own overrides are set after the config is built, where what follows from them
-        # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
-        # converts (rope_theta) is dropped.
-        built = config_class.from_dict({**saved, **overrides, **plain(config_extra)})
-    refuse_unknown_keys(built, overrides, auto)
+    built = hf_config(arch, config, config_extra, pretrained)
+    refuse_unknown_keys(built, plain(config), auto)
     if pretrained is None:
         model = auto.from_config(built)
     else:
+        folder = Path(pretrained).expanduser()
         # Shapes that differ are reported with the rest rather than raised: transformers'
         # own error points at its log.
         model, loading = auto.from_pretrained(folder, config=built, local_files_only=True,
@@ -136,6 +122,33 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
     return model
+
+
+def hf_config(arch: str, config: dict | None = None, config_extra: dict | None = None,
+              pretrained: str | None = None):
+    """The config hf_model builds its model from (the same keys): the architecture's config
+    class with `config` and `config_extra` over its defaults, or over those saved in the
+    `pretrained` folder."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    overrides, config_class = plain(config), CONFIG_MAPPING[arch]
+    if pretrained is None:
+        return config_class(**overrides, **plain(config_extra))
+    folder = Path(pretrained).expanduser()
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(
+            f"model.pretrained={pretrained}: no config.json there. Put a folder written by "
+            "`model.save_pretrained(folder)` (config.json and model.safetensors) there; "
+            "nothing is downloaded")
+    saved, _ = config_class.get_config_dict(folder, local_files_only=True)
+    if saved.get("model_type") != arch:
+        raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
+                         f"model, but model.arch={arch}")
+    # The keys go in with the saved ones, as they do without a folder: from_pretrained's
+    # own overrides are set after the config is built, where what follows from them
+    # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
+    # converts (rope_theta) is dropped.
+    return config_class.from_dict({**saved, **overrides, **plain(config_extra)})
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
