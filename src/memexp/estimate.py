@@ -73,6 +73,8 @@ from memexp.techniques import check_estimable
 from memexp.trainer import Trainer, build, build_model, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+# factory ops whose values are undefined (the model's buffers are made by them: with_storage)
+_UNDEFINED = (torch.ops.aten.empty, torch.ops.aten.empty_strided)
 
 
 class _Values(TorchDispatchMode):
@@ -101,7 +103,7 @@ class _Values(TorchDispatchMode):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             out = func(*args, **kwargs)
-            if self._integers_made_on_host(args, kwargs, out):
+            if self._integers_made_on_host(func, args, kwargs, out):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
             return out
@@ -140,14 +142,15 @@ class _Values(TorchDispatchMode):
         return tree_map_only(torch.Tensor, self.fake.from_tensor, out)
 
     @staticmethod
-    def _integers_made_on_host(args, kwargs, out) -> bool:
+    def _integers_made_on_host(func, args, kwargs, out) -> bool:
         """A factory op's integers on the host (positions from `torch.arange`): made for real,
         as in the run, where a Hugging Face model reads them (Whisper's decoder makes its
         position ids so, and builds a full causal mask where it cannot read that they hold one
         sequence, not several packed)."""
         leaves = arg_tree_leaves(*args, **kwargs)
         made = [t for t in arg_tree_leaves(out) if isinstance(t, torch.Tensor)]
-        return (bool(made) and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+        return (bool(made) and func.overloadpacket not in _UNDEFINED
+                and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
                 and all(t.device.type == "cpu" and not t.is_floating_point()
                         and not t.is_complex() for t in made))
 

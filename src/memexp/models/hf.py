@@ -124,16 +124,15 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
     return model
 
 
-def hf_config(arch: str, config: dict | None = None, config_extra: dict | None = None,
-              pretrained: str | None = None):
-    """The config hf_model builds its model from (the same keys): the architecture's config
-    class with `config` and `config_extra` over its defaults, or over those saved in the
-    `pretrained` folder."""
+def hf_config(arch: str, config: dict | None, config_extra: dict | None,
+              pretrained: str | None):
+    """The config `arch`'s model is built from: its class's defaults, or model.pretrained's
+    config.json, with model.config's keys and config_extra's over them."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    overrides, config_class = plain(config), CONFIG_MAPPING[arch]
+    overrides, config_class = {**plain(config), **plain(config_extra)}, CONFIG_MAPPING[arch]
     if pretrained is None:
-        return config_class(**overrides, **plain(config_extra))
+        return config_class(**overrides)
     folder = Path(pretrained).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -144,11 +143,11 @@ def hf_config(arch: str, config: dict | None = None, config_extra: dict | None =
     if saved.get("model_type") != arch:
         raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
                          f"model, but model.arch={arch}")
-    # The keys go in with the saved ones, as they do without a folder: from_pretrained's
-    # own overrides are set after the config is built, where what follows from them
-    # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
-    # converts (rope_theta) is dropped.
-    return config_class.from_dict({**saved, **overrides, **plain(config_extra)})
+    # The keys go in with the saved ones, as they do without a folder: from_pretrained's own
+    # overrides are set after the config is built, where what follows from them (Qwen2's
+    # layer_types from num_hidden_layers) is not recomputed, and a key the class converts
+    # (rope_theta) is dropped.
+    return config_class.from_dict({**saved, **overrides})
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
