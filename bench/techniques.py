@@ -17,7 +17,11 @@ the library's own, bf16, accumulation). Their tables show the saved activations,
 holds beyond parameters and gradients, and the first 3 per-step losses against the reference
 row's, in place of the gradient-peak and optimizer columns.
 
+With --estimate, each HF row's `memexp estimate` against a real run of what it predicts (two
+steps and an evaluation, the live-storage tracker).
+
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|hf-bert|all] [--rounds 5]
+                               [--estimate]
 """
 
 from __future__ import annotations
@@ -33,7 +37,9 @@ from hydra import compose, initialize_config_dir
 from machine import describe_machine
 
 from memexp.config import config_dir
-from memexp.trainer import Trainer
+from memexp.estimate import estimate
+from memexp.loggers import NoLogger
+from memexp.trainer import Trainer, first_steps
 
 MIB = 2**20
 
@@ -287,6 +293,22 @@ def hf_table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def estimate_table(model: str) -> str:
+    """Each HF row's estimate against a real run of what it traces: the first two steps and
+    an evaluation (of 16 samples)."""
+    lines = [f"| {model}: technique | estimate MiB | measured MiB | estimate / measured |",
+             "|---|---:|---:|---:|"]
+    for row in hf_rows(model):
+        cfg = first_steps(compose_row(model, row, "data.num_eval=16"))
+        predicted = estimate(cfg).memory["peak_bytes"]
+        trainer = Trainer(cfg)
+        trainer.fit(NoLogger())
+        real = trainer.meter.report()["peak_bytes"]
+        lines.append(f"| {row.name} | {predicted / MIB:.2f} | {real / MIB:.2f}"
+                     f" | {predicted / real:.4f} |")
+    return "\n".join(lines)
+
+
 def errors(row: Row, correct: dict[str, tuple[torch.Tensor, list[float]]]) -> str:
     """The row's largest relative per-step loss difference and its gradient error, against its
     ref row's."""
@@ -321,6 +343,8 @@ def main() -> None:
                                      formatter_class=argparse.RawTextHelpFormatter)
     parser.add_argument("--model", choices=[*MODELS, "all"], default="all")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--estimate", action="store_true",
+                        help="the HF rows' estimates against real runs")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
@@ -328,6 +352,9 @@ def main() -> None:
         print()
         # The HF models (those with dropout to switch off) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
+        if args.estimate and model in NO_DROPOUT:
+            print()
+            print(estimate_table(model))
     if args.model in ("resnet", "all"):
         print()
         print(fold_table())

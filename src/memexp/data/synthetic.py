@@ -222,13 +222,14 @@ def synthetic_hf_audio(task: str, model: dict | None, batch_size: BatchSize,
     patterns = torch.randn(classes, *shape, generator=generator)
     transcripts = ordinary[torch.randint(len(ordinary), (classes, length - len(ends)),
                                          generator=generator)]
-    transcripts = torch.cat([transcripts, torch.tensor(ends).expand(classes, len(ends))], 1)
+    ends = torch.tensor(ends, dtype=torch.long)  # ids, even where there are none (ctc)
+    transcripts = torch.cat([transcripts, ends.expand(classes, len(ends))], 1)
 
     def split(count: int) -> Clips:
         labels_of = torch.randint(classes, (count,), generator=generator)
         lengths = length - torch.randint(int(padding * length) + 1, (count,), generator=generator)
         labels = transcripts[labels_of]
-        if ends:  # the transcript ends in eos wherever it is cut
+        if len(ends):  # the transcript ends in eos wherever it is cut
             labels[torch.arange(count), lengths - 1] = ends[0]
         labels = labels.masked_fill(torch.arange(length) >= lengths[:, None], IGNORE)
         base = int(torch.randint(2**62, (), generator=generator))
