@@ -76,6 +76,21 @@ MODELS = {
                       "data.batch_size=16", "optim=sgd"),
     "timm-vit": ("model=timm", "model.name=vit_tiny_patch16_224", "+model.kwargs.img_size=64",
                  "data.image_size=64", "data.batch_size=32", "optim=sgd"),
+    # Whisper-tiny, whose sizes are WhisperConfig's defaults (4+4 layers at width 384, 6 heads,
+    # 80 mel bins, a 51865-token vocabulary), on 64-token transcripts, batch 4. Its windows are
+    # cut from 30 s (3000 frames) to 7.5 s (max_source_positions 375): a step of the full
+    # window took 20 s on 2 busy cores.
+    "hf-whisper-tiny": ("model=hf", "model.arch=whisper", "model.task=speech_seq2seq",
+                        "+model.config.max_source_positions=375", "data.seq_len=64",
+                        "data.batch_size=4", "data.num_train=64", "data.num_eval=8",
+                        "optim=sgd"),
+    # wav2vec2-base, whose sizes are Wav2Vec2Config's defaults (12 layers at width 768, the
+    # 7-layer conv feature encoder), on 1 s of 16 kHz audio (49 frames), batch 4; the CTC loss
+    # a mean over the batch, as fine-tuning sets it (a sum by default).
+    "hf-wav2vec2-base": ("model=hf", "model.arch=wav2vec2", "model.task=ctc",
+                         "+model.config.ctc_loss_reduction=mean", "data.seq_len=49",
+                         "data.batch_size=4", "data.num_train=64", "data.num_eval=8",
+                         "optim=sgd"),
 }
 
 # The HF correctness runs switch dropout off: a micro-batch of 2 draws other masks than a batch
@@ -91,6 +106,12 @@ NO_DROPOUT = {
     # timm builds them with drop_rate=0 and drop_path_rate=0: nothing to switch off.
     "timm-convnext": (),
     "timm-vit": (),
+    "hf-whisper-tiny": (),  # its dropouts are 0 by default
+    # and SpecAugment's masks, and LayerDrop
+    "hf-wav2vec2-base": ("+model.config.hidden_dropout=0", "+model.config.attention_dropout=0",
+                         "+model.config.activation_dropout=0", "+model.config.feat_proj_dropout=0",
+                         "+model.config.final_dropout=0", "+model.config.layerdrop=0",
+                         "+model.config.mask_time_prob=0"),
 }
 LOSS_STEPS = 3  # the HF tables compare this many per-step losses with the reference's
 
@@ -192,7 +213,8 @@ def correctness_run(model: str, row: Row, *extra: str,
     trainer = Trainer(compose_row(model, row, "memory.track=false", "optim=sgd",
                                   "optim.in_backward=false", *extra))
     trainer.model.train()
-    params = list(trainer.model.parameters())
+    # those that train (Whisper's encoder keeps its sinusoidal positions frozen)
+    params = [param for param in trainer.model.parameters() if param.requires_grad]
     captured: dict[int, torch.Tensor] = {}
     # After the last micro-batch's backward, the hook holds the step's whole gradient.
     hooks = [param.register_post_accumulate_grad_hook(

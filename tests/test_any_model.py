@@ -404,7 +404,7 @@ def test_seq2seq_lm_sequences_end_in_the_models_eos_and_pad_with_its_pad_id(mode
     assert (mask == 0).any()  # padded, as data.padding=0.25 asks
     assert torch.equal(labels, ids.masked_fill(mask == 0, -100))
     # a config with no end-of-sequence id: named, with the key to set
-    with pytest.raises(ValueError, match=r"data.eos_token_id: seq2seq_lm sequences end in .* "
+    with pytest.raises(ValueError, match=r"data.task=seq2seq_lm: its sequences end in .* "
                                          r"\+model.config.eos_token_id"):
         build(compose_train(*ENCODER_DECODERS[model], "+model.config.eos_token_id=null").data)
 
@@ -458,7 +458,8 @@ def test_t5s_decoder_start_id_is_its_pad_id_unless_set():
 @pytest.mark.parametrize(("arch", "says"), [
     ("whisper", r"model.task=causal_lm: transformers' causal_lm class for model.arch=whisper, "
                 r"WhisperForCausalLM, is the decoder of the encoder-decoder "
-                r"WhisperForConditionalGeneration alone: a text-only decoder, with no encoder"),
+                r"WhisperForConditionalGeneration alone: a text-only decoder, with no encoder.* "
+                r"The whole model: model.task=speech_seq2seq\. Its tasks: speech_seq2seq, base$"),
     ("bart", r"BartForCausalLM, is the decoder of the encoder-decoder "
              r"BartForConditionalGeneration alone: .* The whole model: model.task=masked_lm or "
              r"seq2seq_lm\. Its tasks: masked_lm, seq2seq_lm, sequence_classification, base$"),
@@ -473,3 +474,107 @@ def test_a_task_the_architecture_lacks_is_refused_naming_those_it_has():
                                          r"head for model.arch=t5; its tasks: seq2seq_lm, "
                                          r"sequence_classification, token_classification, base"):
         build_model(compose_train(*T5, "model.task=masked_lm").model)
+
+
+# -- audio: Whisper (speech_seq2seq) and wav2vec2 (ctc), from small configs --------------------
+# Whisper's token ids (vocab 64) run past its decoder's position table (32 rows), which its
+# positional embedding only slices by the labels' length: the lookup check must not take the
+# one for the other.
+WHISPER = ("model=hf", "model.arch=whisper", "model.task=speech_seq2seq",
+           *(f"+model.config.{key}={value}" for key, value in {
+               "d_model": 32, "encoder_layers": 2, "decoder_layers": 2,
+               "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+               "encoder_ffn_dim": 64, "decoder_ffn_dim": 64, "vocab_size": 64,
+               "num_mel_bins": 16, "max_source_positions": 32, "max_target_positions": 32,
+               "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+               "decoder_start_token_id": 3}.items()), *HF_DATA)
+# SpecAugment (mask_time_prob 0.05) draws its masks from numpy; LayerDrop is off, since the
+# estimate cannot know which layers a random draw skips (it would skip them all).
+WAV2VEC2 = ("model=hf", "model.arch=wav2vec2", "model.task=ctc",
+            *(f"+model.config.{key}={value}" for key, value in {
+                "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+                "intermediate_size": 64, "conv_dim": "[16,16]", "conv_kernel": "[5,3]",
+                "conv_stride": "[4,2]", "num_conv_pos_embeddings": 16,
+                "num_conv_pos_embedding_groups": 4, "vocab_size": 32, "layerdrop": 0}.items()),
+            *HF_DATA)
+AUDIO = {"whisper": WHISPER, "wav2vec2": WAV2VEC2}
+
+
+@pytest.mark.parametrize("model", AUDIO)
+def test_audio_models_train_and_checkpoint_their_layers_at_the_losses_of_none(model):
+    none = train(*AUDIO[model], steps=STEPS)[1].losses
+    trainer, full = train(*AUDIO[model], "checkpointing=full", steps=STEPS)
+    assert full.losses == none  # bitwise: wav2vec2's SpecAugment masks are seeded too
+    assert trainer.blocks["checkpointing"] == {
+        "whisper": {"class": "WhisperEncoderLayer, WhisperDecoderLayer", "count": 4},
+        "wav2vec2": {"class": "Wav2Vec2EncoderLayer", "count": 2}}[model]
+
+
+@pytest.mark.parametrize(("model", "checkpointing"), [("whisper", "full"), ("wav2vec2", "none")])
+def test_the_estimate_of_audio_models_is_their_measured_peak(model, checkpointing):
+    cfg = compose_train("trainer.max_steps=2", *AUDIO[model], f"checkpointing={checkpointing}")
+    trainer = Trainer(cfg)
+    trainer.fit(NoLogger())
+    real = trainer.meter.report()["peak_bytes"]
+    # exact for Whisper: its decoder's positions, made with torch.arange, are real under the
+    # trace, so it skips the causal mask as the run does; CTC's loss runs on stand-ins
+    assert estimate(cfg).memory["peak_bytes"] == pytest.approx(real, rel=0 if model == "whisper"
+                                                               else 1e-4)
+
+
+def test_synthetic_audio_follows_the_models_config():
+    whisper = build(compose_train(*WHISPER).data).first_batch()
+    assert whisper["input_features"].shape == (4, 16, 64)  # mel bins x 2 max_source_positions
+    labels = whisper["labels"]
+    lengths = (labels != -100).sum(1)
+    assert labels.shape == (4, 32) and (labels[range(4), lengths - 1] == 2).all()  # eos
+    wav2vec2 = build(compose_train(*WAV2VEC2).data).first_batch()
+    # 32 frames: 4 * (2 * 31 + 3 - 1) + 5 samples back through the conv layers
+    assert wav2vec2["input_values"].shape == (4, 261)
+    counted = wav2vec2["labels"][wav2vec2["labels"] != -100]
+    assert wav2vec2["labels"].shape == (4, 10) and counted.min() > 2 and counted.max() < 32
+    assert labels.dtype == wav2vec2["labels"].dtype == torch.int64  # token ids, not floats
+    with pytest.raises(ValueError, match=r"data.seq_len=40: WhisperConfig takes transcripts of "
+                                         r"at most max_target_positions=32"):
+        build(compose_train(*WHISPER, "data.seq_len=40").data)
+
+
+def test_hf_local_audio_features(tmp_path):
+    """The columns a dataset of real features needs: Whisper's input_features and labels,
+    wav2vec2's input_values and labels (-100 where padded)."""
+    datasets = pytest.importorskip("datasets")
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(4, 32, (8, 10), generator=generator)
+    labels[:, 8:] = -100
+    rows = {"whisper": {"input_features": torch.randn(8, 16, 64, generator=generator).tolist(),
+                        "labels": torch.cat([labels[:, :8], torch.full((8, 1), 2)], 1).tolist()},
+            "wav2vec2": {"input_values": torch.randn(8, 261, generator=generator).tolist(),
+                         "labels": labels.tolist()}}
+    for model, columns in rows.items():
+        split = datasets.Dataset.from_dict(columns)
+        datasets.DatasetDict(train=split, test=split).save_to_disk(str(tmp_path / model))
+        metrics = train(*AUDIO[model][:-len(HF_DATA)], "data=hf_local",
+                        f"data.path={tmp_path / model}", f"data.columns=[{','.join(columns)}]",
+                        "data.batch_size=4", steps=2)[1]
+        assert len(metrics.losses) == 2 and all(torch.isfinite(torch.tensor(metrics.losses)))
+
+
+# BART's learned positions take the token ids for their shape and look up arange + 2: the
+# lookup check sees those positions, not the ids (a vocabulary larger than the table is fine).
+BART = ("model=hf", "model.arch=bart", "model.task=masked_lm",
+        *(f"+model.config.{key}={value}" for key, value in {
+            "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+            "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 64,
+            "decoder_ffn_dim": 64, "vocab_size": 128, "max_position_embeddings": 40}.items()),
+        *HF_DATA)
+
+
+def test_an_embedding_is_checked_on_the_indices_it_looks_up():
+    assert len(train(*BART)[1].losses) == 1
+    cfg = compose_train(*BART, "data.seq_len=48", "trainer.max_steps=1")
+    says = (r"model.encoder.embed_positions \(nn.Embedding with 42 rows\) is looked up at "
+            r"index 49.*computed by the model from the batch")
+    with pytest.raises(ValueError, match=says):
+        Trainer(cfg).fit(NoLogger())
+    with pytest.raises(ValueError, match=says):
+        estimate(cfg)

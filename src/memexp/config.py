@@ -190,9 +190,6 @@ def register() -> None:
     # `${memexp.equals:a,b}`: a config value that follows another (loss.shift follows model.task)
     if not OmegaConf.has_resolver("memexp.equals"):
         OmegaConf.register_new_resolver("memexp.equals", lambda a, b: a == b)
-    # `${memexp.hf_config:key,default}`: a value of model=hf's config (data=hf_tokens' pad id)
-    if not OmegaConf.has_resolver("memexp.hf_config"):
-        OmegaConf.register_new_resolver("memexp.hf_config", hf.config_value)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
     for group, targets in GROUP_TARGETS.items():

@@ -56,7 +56,7 @@ from torch._subclasses.fake_tensor import (
     unset_fake_temporarily,
 )
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import arg_tree_leaves
+from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 
 from memexp import cudatrace
@@ -73,6 +73,8 @@ from memexp.techniques import check_estimable
 from memexp.trainer import Trainer, build, build_model, first_steps
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+# factory ops whose values are undefined (the model's buffers are made by them: with_storage)
+_UNDEFINED = (torch.ops.aten.empty, torch.ops.aten.empty_strided)
 
 
 class _Values(TorchDispatchMode):
@@ -100,12 +102,19 @@ class _Values(TorchDispatchMode):
             if self._on_real_data(args, kwargs):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            return func(*args, **kwargs)
+            out = func(*args, **kwargs)
+            if self._integers_made_on_host(func, args, kwargs, out):
+                with unset_fake_temporarily():
+                    return func(*args, **kwargs)
+            return out
         except DataDependentOutputException as error:
             if func not in _SCALAR_READS:  # aten.equal: a Python value from two tensors
                 raise ValueError(value_dependent(error.func, "what it returns")) from error
             return True if args[0].dtype == torch.bool else 0
         except DynamicOutputShapeException as error:
+            if all(leaf.is_floating_point() for leaf in arg_tree_leaves(*args, **kwargs)
+                   if isinstance(leaf, FakeTensor)):
+                return self._on_stand_ins(func, args, kwargs)
             raise ValueError(value_dependent(error.func, "the size of its output")) from error
         finally:
             # FakeTensorMode memoizes each output through a weak reference, and torch refuses
@@ -120,6 +129,30 @@ class _Values(TorchDispatchMode):
                for leaf in leaves):
             return False
         return self.making_batches or any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+
+    def _on_stand_ins(self, func, args, kwargs):
+        """An op whose output's size depends on real values only, though it takes fake floats
+        (CTC's loss: the model's log-probabilities, and the lengths of the batch's labels): run
+        for real on zeros of the fake tensors' shapes, its outputs made fake. The floats' values
+        decide no size."""
+        with unset_fake_temporarily():
+            args, kwargs = tree_map_only(
+                FakeTensor, lambda t: torch.zeros(t.shape, dtype=t.dtype), (args, kwargs))
+            out = func(*args, **kwargs)
+        return tree_map_only(torch.Tensor, self.fake.from_tensor, out)
+
+    @staticmethod
+    def _integers_made_on_host(func, args, kwargs, out) -> bool:
+        """A factory op's integers on the host (positions from `torch.arange`): made for real,
+        as in the run, where a Hugging Face model reads them (Whisper's decoder makes its
+        position ids so, and builds a full causal mask where it cannot read that they hold one
+        sequence, not several packed)."""
+        leaves = arg_tree_leaves(*args, **kwargs)
+        made = [t for t in arg_tree_leaves(out) if isinstance(t, torch.Tensor)]
+        return (bool(made) and func.overloadpacket not in _UNDEFINED
+                and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
+                and all(t.device.type == "cpu" and not t.is_floating_point()
+                        and not t.is_complex() for t in made))
 
     def make(self, batch: Callable[[], Batch]) -> Batch:
         """`batch()`, made for real: its factory ops too (a sample order, an index range)."""

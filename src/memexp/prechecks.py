@@ -18,11 +18,13 @@ from __future__ import annotations
 import inspect
 import logging
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
@@ -85,6 +87,44 @@ def check_lookup(name: str, embedding: nn.Embedding, indices: Tensor,
                      f"{high if high >= rows else low}, out of range: {origin}")
 
 
+class Lookups(TorchFunctionMode):
+    """Active while an embedding module runs: each lookup of its own table (F.embedding) is
+    checked, with the indices it really looks up. What the module's forward was given may be no
+    index at all: Whisper's positional embedding takes the token ids only for their length and
+    slices its table, and BART's adds an offset to the positions it makes from them."""
+
+    def __init__(self, name: str, module: nn.Embedding, inputs: Callable[[], dict[str, Tensor]]):
+        super().__init__()
+        self.name, self.module, self.inputs = name, module, inputs
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.embedding and (args[1:2] or [kwargs.get("weight")])[0] is self.module.weight:
+            check_lookup(self.name, self.module, args[0] if args else kwargs["input"],
+                         self.inputs())
+        return func(*args, **kwargs)
+
+
+def watch_lookups(model: nn.Module, inputs: Callable[[], dict[str, Tensor]]) -> list:
+    """Hooks that check every embedding module's lookups (Lookups) while it runs; `inputs`
+    gives the tensors the forward pass was given. Their handles, to remove."""
+    handles = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Embedding):
+            mode = Lookups(name, module, inputs)
+
+            def enter(module, args, mode=mode) -> None:
+                mode.__enter__()
+
+            def leave(module, args, output, mode=mode) -> None:
+                mode.__exit__(None, None, None)
+
+            handles.append(module.register_forward_pre_hook(enter))
+            # always_call: the mode leaves with the module even when its lookup is refused
+            handles.append(module.register_forward_hook(leave, always_call=True))
+    return handles
+
+
 class FirstForward:
     """Hooks for a run's first forward pass, removed after it: embedding lookups in range, then
     the no-op check over `changed` ({group: {module name: module}})."""
@@ -98,9 +138,7 @@ class FirstForward:
         self.handles = [model.register_forward_pre_hook(self._capture, with_kwargs=True)]
         self.handles += [module.register_forward_pre_hook(self._mark)
                          for modules in self.changed.values() for module in modules.values()]
-        self.handles += [module.register_forward_pre_hook(self._check_lookup(name))
-                         for name, module in model.named_modules()
-                         if isinstance(module, nn.Embedding)]
+        self.handles += watch_lookups(model, self._alive_inputs)
         self.handles.append(model.register_forward_hook(self._verify))
 
     def _capture(self, model: nn.Module, args, kwargs) -> None:
@@ -110,12 +148,8 @@ class FirstForward:
     def _mark(self, module: nn.Module, args) -> None:
         self.ran.add(id(module))
 
-    def _check_lookup(self, name: str):
-        def hook(module: nn.Embedding, args) -> None:
-            alive = {key: tensor for key, ref in self.inputs.items()
-                     if (tensor := ref()) is not None}
-            check_lookup(name, module, args[0], alive)
-        return hook
+    def _alive_inputs(self) -> dict[str, Tensor]:
+        return {key: tensor for key, ref in self.inputs.items() if (tensor := ref()) is not None}
 
     def _verify(self, model: nn.Module, args, output) -> None:
         for handle in self.handles:
@@ -198,9 +232,7 @@ def dry_run(model: nn.Module, batch: Batch, loss) -> None:
     checked for real. A model that cannot run on the meta device is skipped (logged): the trace
     that follows meets the same error, or the real run's first forward pass the same checks."""
     inputs = inputs_of(batch)
-    hooks = [module.register_forward_pre_hook(
-        lambda module, args, name=name: check_lookup(name, module, args[0], inputs))
-        for name, module in model.named_modules() if isinstance(module, nn.Embedding)]
+    hooks = watch_lookups(model, lambda: inputs)
     try:
         with torch.random.fork_rng(devices=[]), IntegerValues():
             outputs = call_model(model, batch, loss.passes_labels)

@@ -15,6 +15,7 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -200,14 +201,28 @@ def free_cached_memory(device: torch.device) -> None:
 
 @contextmanager
 def random_state_kept(device: torch.device) -> Iterator[None]:
-    """What runs inside leaves the process's random state (torch's, the device's, Python's) as
-    it found it."""
-    state = random.getstate()
+    """What runs inside leaves the process's random state (torch's, the device's, Python's,
+    numpy's) as it found it."""
+    state, numpy_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
             yield
     finally:
         random.setstate(state)
+        np.random.set_state(numpy_state)
+
+
+def numpy_random_state() -> dict:
+    """numpy's global random state, as a checkpoint loaded with weights_only holds it (its key
+    as a tensor)."""
+    state = np.random.get_state(legacy=False)
+    return {**state, "state": {**state["state"],
+                               "key": torch.from_numpy(state["state"]["key"].astype(np.int64))}}
+
+
+def set_numpy_random_state(state: dict) -> None:
+    key = state["state"]["key"].numpy().astype(np.uint32)
+    np.random.set_state({**state, "state": {**state["state"], "key": key}})
 
 
 class Unpaired:
@@ -320,6 +335,9 @@ class Trainer:
                                 if self.device.type == "cuda" and allocator is None
                                 else nothing_to_wait_for)
         torch.manual_seed(cfg.trainer.seed)
+        # numpy's too: some models draw from it in training (wav2vec2's and HuBERT's
+        # SpecAugment masks); numpy takes seeds below 2**32
+        np.random.seed(torch.initial_seed() % 2**32)
         self.data: Data = build(cfg.data) if data is None else data
         self.loss = as_loss(build(cfg.loss))
         self.precision = build(cfg.precision)
@@ -640,6 +658,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "precision": self.precision.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "python": random.getstate(),
+                    "numpy": numpy_random_state(),
                     "cuda": torch.cuda.get_rng_state_all() if cuda else []},
             "metrics": dataclasses.asdict(self.metrics),
         }
@@ -670,6 +689,7 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.precision.load_state_dict(state["precision"])
             random_states = state["rng"]
+            random_states["numpy"]  # noqa: B018 (one from before numpy's was kept: refused)
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             if is_out_of_memory(error):  # it would load where there is room: not a refusal
                 raise
@@ -689,6 +709,7 @@ class Trainer:
         path, step, random_states = self.resumed
         torch.set_rng_state(random_states["torch"])
         random.setstate(random_states["python"])
+        set_numpy_random_state(random_states["numpy"])
         if random_states["cuda"]:
             torch.cuda.set_rng_state_all(random_states["cuda"])
         self.metrics.resumed_from.append(step)

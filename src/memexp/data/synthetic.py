@@ -4,11 +4,13 @@ and token batches in the shape Hugging Face models take."""
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
-from memexp.data.tensors import IGNORE, LABELS, BatchSize, Columns, Split, TensorData
+from memexp.data.tensors import IGNORE, LABELS, Batch, BatchSize, Columns, Split, TensorData
 
 
 def synthetic_images(
@@ -91,22 +93,26 @@ def synthetic_hf_tokens(
     vocab_size: int = 1024,
     seq_len: int = 128,
     num_labels: int = 2,
-    pad_token_id: int = 0,
-    eos_token_id: int | None = None,
     num_train: int = 1024,
     num_eval: int = 128,
     padding: float = 0.25,
     noise: float = 0.1,
     seed: int = 0,
+    model: dict | None = None,
 ) -> TensorData:
-    """Mapping batches for a Hugging Face task: `input_ids`, `attention_mask` and `labels`.
+    """Mapping batches for a Hugging Face task: `input_ids`, `attention_mask` and `labels`;
+    for the audio tasks, the features and labels of `synthetic_hf_audio`. `model` is model=hf's
+    arch, config, config_extra and pretrained (all None with another model): the data agrees
+    with the config its model is built from (model_config), for the padding and end-of-sequence
+    ids here and the audio's shapes.
 
-    Each sequence ends in up to `padding` x seq_len padding positions (id `pad_token_id`, mask
-    0, label -100), so the attention mask matters. Learnable, with a `noise` share of random
-    tokens:
+    Each sequence ends in up to `padding` x seq_len padding positions (id: the config's
+    pad_token_id, else 0; mask 0, label -100), so the attention mask matters. Learnable, with a
+    `noise` share of random tokens:
     - causal_lm: each token follows from the two before it by a fixed linear rule mod the
       vocabulary; labels are the inputs (the model shifts them);
-    - seq2seq_lm (encoder-decoders): the same sequences, each ending in `eos_token_id`, as a
+    - seq2seq_lm (encoder-decoders): the same sequences, each ending in the config's
+      eos_token_id, as a
       tokenizer ends them; labels are the inputs, to copy (the model builds its decoder's
       inputs from them, shifted right after its decoder_start_token_id);
     - masked_lm: the same sequences with 15% of tokens replaced by the last id, labelled there;
@@ -114,15 +120,22 @@ def synthetic_hf_tokens(
       the label modulo num_labels;
     - token_classification: each token's label is its id modulo num_labels.
     Memory is linear in the vocabulary, so real vocabularies (50k words) cost nothing."""
-    if task not in HF_TASKS:
-        raise ValueError(f"data.task={task}: choose one of {', '.join(HF_TASKS)} (data=hf_tokens "
-                         "follows model.task)")
     if not 0 <= padding < 1:
         raise ValueError(f"data.padding={padding}: must be in [0, 1)")
+    config = model_config(model)
+    if task in AUDIO_TASKS:
+        return synthetic_hf_audio(task, config, batch_size, eval_batch_size, seq_len, num_train,
+                                  num_eval, padding, seed)
+    if task not in HF_TASKS:
+        raise ValueError(f"data.task={task}: choose one of {', '.join(HF_TASKS + AUDIO_TASKS)} "
+                         "(data=hf_tokens follows model.task)")
+    # GPT-2's config has no pad id
+    pad_token_id = 0 if getattr(config, "pad_token_id", None) is None else config.pad_token_id
+    eos_token_id = getattr(config, "eos_token_id", None)
     if task == "seq2seq_lm" and eos_token_id is None:
-        raise ValueError("data.eos_token_id: seq2seq_lm sequences end in the model's "
+        raise ValueError("data.task=seq2seq_lm: its sequences end in the model's "
                          "end-of-sequence id, and the model's config has none: set "
-                         "+model.config.eos_token_id (or data.eos_token_id)")
+                         "+model.config.eos_token_id")
     generator = torch.Generator().manual_seed(seed)
     # The rule's factors are coprime to the vocabulary, so that it reaches every token.
     coprime = [f for f in range(1, vocab_size) if math.gcd(f, vocab_size) == 1]
@@ -168,3 +181,106 @@ def synthetic_hf_tokens(
     return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed,
                       unit="tokens", items_per_sample=seq_len)
 
+AUDIO_TASKS = ("speech_seq2seq", "ctc")
+
+
+def model_config(model: dict | None):
+    """The transformers config that model=hf builds its model from (memexp.models.hf.hf_config),
+    for data that must agree with it; None with another model (no `arch`). A folder that holds
+    no config, or another model's, is refused here as the model's build would refuse it."""
+    if not model or model.get("arch") is None:
+        return None
+    from memexp.models.hf import hf_config
+
+    return hf_config(model["arch"], model.get("config"), model.get("config_extra"),
+                     model.get("pretrained"))
+
+
+def synthetic_hf_audio(task: str, config, batch_size: BatchSize,
+                       eval_batch_size: BatchSize, seq_len: int, num_train: int, num_eval: int,
+                       padding: float, seed: int) -> TensorData:
+    """Audio batches shaped by the model's own `config` (model_config's):
+    - speech_seq2seq (Whisper): `input_features`, num_mel_bins x 2 * max_source_positions
+      log-mel frames (the one length Whisper's encoder takes), and `labels` of seq_len tokens
+      at most (max_target_positions), each transcript ending in eos_token_id; the model starts
+      its decoder inputs with decoder_start_token_id itself, as in fine-tuning;
+    - ctc (wav2vec2, HuBERT): `input_values`, the raw samples from which the conv feature
+      encoder (conv_kernel, conv_stride) makes exactly seq_len frames, and `labels` of up to
+      seq_len // 3 characters (about the rate of speech: 15 a second against wav2vec2's 50
+      frames), never the blank (pad_token_id).
+    Each clip is one of 16 classes: a fixed pattern under unit noise, transcribed as that class's
+    token sequence, so the task is learnable. Transcripts end in up to `padding` x their length
+    of label -100. Clips are made from (seed, index) when batched: a set of long clips is never
+    held in memory."""
+    if config is None:
+        raise ValueError(f"data.task={task}: synthetic audio is shaped by the model's config; "
+                         "use it with model=hf")
+    name = type(config).__name__
+    needs = {"speech_seq2seq": ("num_mel_bins", "max_source_positions", "max_target_positions"),
+             "ctc": ("conv_kernel", "conv_stride")}[task]
+    lacking = [key for key in needs if key not in config.to_dict()]
+    if lacking:
+        raise ValueError(f"data.task={task}: synthetic features need the config's "
+                         f"{', '.join(needs)} (Whisper's log-mel frames, wav2vec2's conv "
+                         f"feature encoder), and {name} has no {', '.join(lacking)}. Give real "
+                         "features with data=hf_local")
+    if task == "speech_seq2seq":
+        key, shape = "input_features", (config.num_mel_bins, 2 * config.max_source_positions)
+        if seq_len > config.max_target_positions:
+            raise ValueError(f"data.seq_len={seq_len}: {name} takes transcripts of at most "
+                             f"max_target_positions={config.max_target_positions} tokens")
+        length, ends = seq_len, [config.eos_token_id]
+        specials = {config.eos_token_id, config.pad_token_id, config.bos_token_id,
+                    config.decoder_start_token_id}
+    else:
+        # the samples that the conv layers reduce to seq_len frames, from the last layer back
+        samples = seq_len
+        for kernel, stride in reversed(list(zip(config.conv_kernel, config.conv_stride,
+                                                strict=True))):
+            samples = (samples - 1) * stride + kernel
+        key, shape = "input_values", (samples,)
+        length, ends = max(seq_len // 3, 1), []
+        specials = {config.pad_token_id, config.bos_token_id, config.eos_token_id}
+    ordinary = torch.tensor([i for i in range(config.vocab_size) if i not in specials])
+    generator = torch.Generator().manual_seed(seed)
+    classes = 16
+    patterns = torch.randn(classes, *shape, generator=generator)
+    transcripts = ordinary[torch.randint(len(ordinary), (classes, length - len(ends)),
+                                         generator=generator)]
+    ends = torch.tensor(ends, dtype=torch.long)  # ids, even where there are none (ctc)
+    transcripts = torch.cat([transcripts, ends.expand(classes, len(ends))], 1)
+
+    def split(count: int) -> Clips:
+        labels_of = torch.randint(classes, (count,), generator=generator)
+        lengths = length - torch.randint(int(padding * length) + 1, (count,), generator=generator)
+        labels = transcripts[labels_of]
+        if len(ends):  # the transcript ends in eos wherever it is cut
+            labels[torch.arange(count), lengths - 1] = ends[0]
+        labels = labels.masked_fill(torch.arange(length) >= lengths[:, None], IGNORE)
+        base = int(torch.randint(2**62, (), generator=generator))
+        return Clips(key, patterns, labels_of, base, Columns({LABELS: labels}))
+
+    train = split(num_train)
+    return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed)
+
+
+@dataclass
+class Clips:
+    """Audio samples made when taken: sample i is its class's pattern plus unit noise drawn
+    from a generator seeded with `base + i`, followed by its stored `columns`."""
+
+    key: str
+    patterns: Tensor
+    classes: Tensor
+    base: int
+    columns: Columns
+
+    def __len__(self) -> int:
+        return len(self.classes)
+
+    def take(self, index: Tensor) -> Batch:
+        noise = torch.stack([
+            torch.randn(self.patterns.shape[1:],
+                        generator=torch.Generator().manual_seed(self.base + int(i)))
+            for i in index])
+        return {self.key: self.patterns[self.classes[index]] + noise, **self.columns.take(index)}

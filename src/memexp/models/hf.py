@@ -14,7 +14,6 @@ import re
 import sys
 from pathlib import Path
 
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from memexp.models import LOADED, plain
@@ -32,6 +31,10 @@ TASKS = {
                              "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES"),
     "image_classification": ("AutoModelForImageClassification",
                              "MODEL_FOR_IMAGE_CLASSIFICATION_MAPPING_NAMES"),
+    # audio: log-mel input_features to text (Whisper), and raw input_values to characters by
+    # CTC (wav2vec2, HuBERT); data=hf_tokens shapes its features by the model's config
+    "speech_seq2seq": ("AutoModelForSpeechSeq2Seq", "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES"),
+    "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
     "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
 }
 
@@ -184,26 +187,6 @@ def hf_config(arch: str, config: dict | None, config_extra: dict | None,
     # layer_types from num_hidden_layers) is not recomputed, and a key the class converts
     # (rope_theta) is dropped.
     return config_class.from_dict({**saved, **overrides})
-
-
-def config_value(key: str, default, *, _root_: DictConfig):
-    """`${memexp.hf_config:key,default}`: `key` of the config that model=hf builds its model
-    from, for data that must agree with it (the padding and end-of-sequence ids); `default`
-    for another model, and where the config has none (GPT-2 has no pad id)."""
-    model = OmegaConf.select(_root_, "model")  # as oc.select: none in a data config alone
-    if (model is None or model._target_ != f"{__name__}.{hf_model.__name__}"
-            or model.arch not in known_architectures()):
-        return default
-    try:
-        built = hf_config(model.arch, model.config, model.config_extra, model.pretrained)
-    except (ValueError, FileNotFoundError):
-        # A folder that holds no config, or another model's (and above, an unknown
-        # architecture): the model's own build refuses it in the run's summary, naming the key,
-        # where Hydra would wrap it in its own error here.
-        return default
-    # not every config class has every key (T5's has no decoder_start_token_id)
-    value = getattr(built, key, None)
-    return default if value is None else value
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
