@@ -489,7 +489,7 @@ WHISPER = ("model=hf", "model.arch=whisper", "model.task=speech_seq2seq",
                "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
                "decoder_start_token_id": 3}.items()), *HF_DATA)
 # SpecAugment (mask_time_prob 0.05) draws its masks from numpy; LayerDrop is off, since the
-# estimate cannot know which layers a random draw skips (it would skip them all).
+# estimate refuses a branch on a random draw (test_layerdrop_is_refused_by_the_estimate).
 WAV2VEC2 = ("model=hf", "model.arch=wav2vec2", "model.task=ctc",
             *(f"+model.config.{key}={value}" for key, value in {
                 "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
@@ -520,6 +520,17 @@ def test_the_estimate_of_audio_models_is_their_measured_peak(model, checkpointin
     # trace, so it skips the causal mask as the run does; CTC's loss runs on stand-ins
     assert estimate(cfg).memory["peak_bytes"] == pytest.approx(real, rel=0 if model == "whisper"
                                                                else 1e-4)
+
+
+def test_layerdrop_is_refused_by_the_estimate():
+    """wav2vec2's default LayerDrop (0.1) skips a layer where `torch.rand([]) < layerdrop`: read
+    as true, every layer would be skipped and the estimate would fall 62% short of a run.
+    Refused, naming the cause and the key that estimates the run where every layer runs."""
+    cfg = compose_train("trainer.max_steps=1", *WAV2VEC2[:-len(HF_DATA)],
+                        "model.config.layerdrop=0.1", *HF_DATA)
+    with pytest.raises(ValueError, match=r"Wav2Vec2Encoder.forward .*: the model branches on a "
+                                         r"value drawn at random.*\+model.config.layerdrop=0"):
+        estimate(cfg)
 
 
 def test_synthetic_audio_follows_the_models_config():

@@ -23,9 +23,11 @@ goes as in the real run. Only what the model computes from its parameters is fak
 Where the estimate and a real run can differ:
 - the model's values are unknown: a Python branch on one (`loss.item()`, a found-inf check)
   sees 0, or True for a boolean, so a fake fp16 step is never skipped; an op whose output's
-  size depends on one (`nonzero` on activations) is refused. On a CUDA trace the batch's copy
-  on the device is fake too: a Hugging Face model then builds its attention mask even where
-  the batch has no padding (it never reads a fake mask);
+  size depends on one (`nonzero` on activations) is refused, and so is a branch on a value
+  drawn at random (LayerDrop's `torch.rand([]) < layerdrop`), whose way is chance: read as
+  True it would skip every layer, and the estimate would fall short of every run. On a CUDA
+  trace the batch's copy on the device is fake too: a Hugging Face model then builds its
+  attention mask even where the batch has no padding (it never reads a fake mask);
 - with the CPU stand-in, CUDA's choices are not seen: its autocast op lists, its attention
   kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
   norm, fused optimizers;
@@ -58,6 +60,7 @@ from torch._subclasses.fake_tensor import (
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memexp import cudatrace
 from memexp.config import config_dir, target_path
@@ -89,12 +92,15 @@ class _Values(TorchDispatchMode):
     A fake tensor's value is unknown: reading one (`.item()`, `bool(t)`) gives 0, or True for a
     boolean (a finite-check passes). Any other op whose output depends on a fake tensor's
     values (`nonzero` and `unique` for their size, `equal`) is refused, naming the op and
-    where the model runs it."""
+    where the model runs it. So is reading a value drawn at random (_drawn_at_random): which
+    way a branch on it goes is chance, not something a true or a 0 can stand for."""
 
     def __init__(self, fake: FakeTensorMode):
         super().__init__()
         self.fake = fake
         self.making_batches = False
+        # the fake tensors drawn at random (by id, held weakly): see _drawn_at_random
+        self.random = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -106,10 +112,16 @@ class _Values(TorchDispatchMode):
             if self._integers_made_on_host(func, args, kwargs, out):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
+            if self._drawn_at_random(func, args, kwargs):
+                for made in arg_tree_leaves(out):
+                    if isinstance(made, FakeTensor):
+                        self.random[made] = True
             return out
         except DataDependentOutputException as error:
             if func not in _SCALAR_READS:  # aten.equal: a Python value from two tensors
                 raise ValueError(value_dependent(error.func, "what it returns")) from error
+            if args[0] in self.random:
+                raise ValueError(random_branch(error.func)) from error
             return True if args[0].dtype == torch.bool else 0
         except DynamicOutputShapeException as error:
             if all(leaf.is_floating_point() for leaf in arg_tree_leaves(*args, **kwargs)
@@ -121,6 +133,18 @@ class _Values(TorchDispatchMode):
             # to swap a module's parameters (`model.half()`, `model.to()`) while one exists.
             # The memo only matters within one op, so it is emptied after every op.
             self.fake.fake_tensor_converter.meta_converter.tensor_memo.clear()
+
+    def _drawn_at_random(self, func, args, kwargs) -> bool:
+        """Whether `func`'s output is a value drawn at random: a seeded random op's fresh draw
+        (`torch.rand`, or an in-place fill such as `bernoulli_(p)`, whatever the tensor it fills
+        held), or what ops compute from such draws alone (`torch.rand([]) < p`). Dropout's
+        output is not: it is made from the model's activations too."""
+        inputs = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, FakeTensor)]
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            if func._schema.is_mutable and args:  # the tensor it fills: its values are replaced
+                inputs = [t for t in inputs if t is not args[0]]
+            return all(t in self.random for t in inputs)
+        return bool(inputs) and all(t in self.random for t in inputs)
 
     def _on_real_data(self, args, kwargs) -> bool:
         leaves = arg_tree_leaves(*args, **kwargs)
@@ -197,18 +221,31 @@ class _RealBatches:
         return self.values.make(self.data.first_batch)
 
 
-def value_dependent(func, what: str) -> str:
-    """Why an op stops the trace (`what` it gives depends on values), and where the model
-    runs it: the innermost module method that called it."""
-    where = ""
+def _where() -> str:
+    """Where the model runs the op being dispatched: the innermost module method that called
+    it ("" outside any)."""
     for frame, line in traceback.walk_stack(None):
         module = frame.f_locals.get("self")
         if isinstance(module, nn.Module):
             code = linecache.getline(frame.f_code.co_filename, line).strip()
-            where = (f" in {type(module).__name__}.{frame.f_code.co_name} "
-                     f"({frame.f_code.co_filename}, line {line}: {code})")
-            break
-    return (f"{func}{where}: {what} depends on values the estimate does not "
+            return (f" in {type(module).__name__}.{frame.f_code.co_name} "
+                    f"({frame.f_code.co_filename}, line {line}: {code})")
+    return ""
+
+
+def random_branch(func) -> str:
+    """Why a read of a value drawn at random stops the trace, and how to estimate the run."""
+    return (f"{func}{_where()}: the model branches on a value drawn at random, so which way a "
+            "run goes is chance and the estimate cannot follow it (read as true, LayerDrop's "
+            "`torch.rand([]) < layerdrop` would skip every layer and under-report the peak). "
+            "Set that probability to 0 to estimate the run in which every layer runs, the most "
+            "memory: +model.config.layerdrop=0 for a Hugging Face model's LayerDrop")
+
+
+def value_dependent(func, what: str) -> str:
+    """Why an op stops the trace (`what` it gives depends on values), and where the model
+    runs it: the innermost module method that called it."""
+    return (f"{func}{_where()}: {what} depends on values the estimate does not "
             "have (it has the batch's own, on the host, and none that the model computes). "
             "Measure this run for real (python train.py with the same overrides), or configure "
             "the model so that training does not run this op (a Hugging Face model may have a "
