@@ -112,9 +112,8 @@ def synthetic_hf_tokens(
     - causal_lm: each token follows from the two before it by a fixed linear rule mod the
       vocabulary; labels are the inputs (the model shifts them);
     - seq2seq_lm (encoder-decoders): the same sequences, each ending in the config's
-      eos_token_id, as a
-      tokenizer ends them; labels are the inputs, to copy (the model builds its decoder's
-      inputs from them, shifted right after its decoder_start_token_id);
+      eos_token_id, as a tokenizer ends them; labels are the inputs, to copy (the model builds
+      its decoder's inputs from them, shifted right after its decoder_start_token_id);
     - masked_lm: the same sequences with 15% of tokens replaced by the last id, labelled there;
     - sequence_classification: one label per sequence; its tokens are mostly those whose id is
       the label modulo num_labels;
@@ -122,13 +121,13 @@ def synthetic_hf_tokens(
     Memory is linear in the vocabulary, so real vocabularies (50k words) cost nothing."""
     if not 0 <= padding < 1:
         raise ValueError(f"data.padding={padding}: must be in [0, 1)")
-    config = model_config(model)
+    if task not in HF_TASKS + AUDIO_TASKS:
+        raise ValueError(f"data.task={task}: choose one of {', '.join(HF_TASKS + AUDIO_TASKS)} "
+                         "(data=hf_tokens follows model.task)")
+    config = model_config(model, task)
     if task in AUDIO_TASKS:
         return synthetic_hf_audio(task, config, batch_size, eval_batch_size, seq_len, num_train,
                                   num_eval, padding, seed)
-    if task not in HF_TASKS:
-        raise ValueError(f"data.task={task}: choose one of {', '.join(HF_TASKS + AUDIO_TASKS)} "
-                         "(data=hf_tokens follows model.task)")
     # GPT-2's config has no pad id
     pad_token_id = 0 if getattr(config, "pad_token_id", None) is None else config.pad_token_id
     eos_token_id = getattr(config, "eos_token_id", None)
@@ -181,17 +180,20 @@ def synthetic_hf_tokens(
     return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed,
                       unit="tokens", items_per_sample=seq_len)
 
+
 AUDIO_TASKS = ("speech_seq2seq", "ctc")
 
 
-def model_config(model: dict | None):
+def model_config(model: dict | None, task: str):
     """The transformers config that model=hf builds its model from (memexp.models.hf.hf_config),
-    for data that must agree with it; None with another model (no `arch`). A folder that holds
-    no config, or another model's, is refused here as the model's build would refuse it."""
+    for data that must agree with it; None with another model (no `arch`). An unknown
+    architecture, a task it lacks, a folder that holds no config or another model's: refused
+    here (the data is built first) as the model's build would refuse them."""
     if not model or model.get("arch") is None:
         return None
-    from memexp.models.hf import hf_config
+    from memexp.models.hf import check_choice, hf_config
 
+    check_choice(model["arch"], task)
     return hf_config(model["arch"], model.get("config"), model.get("config_extra"),
                      model.get("pretrained"))
 
