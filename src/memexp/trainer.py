@@ -689,7 +689,8 @@ class Trainer:
             self.optimizer.load_state_dict(state["optimizer"])
             self.precision.load_state_dict(state["precision"])
             random_states = state["rng"]
-            random_states["numpy"]  # noqa: B018 (one from before numpy's was kept: refused)
+            if "numpy" not in random_states:  # written before numpy's state was kept
+                raise KeyError("the checkpoint has no rng.numpy")
         except (KeyError, TypeError, ValueError, RuntimeError) as error:
             if is_out_of_memory(error):  # it would load where there is room: not a refusal
                 raise
