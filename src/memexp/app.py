@@ -24,6 +24,7 @@ from memexp.find_batch import find_batch_size, set_batch_size
 from memexp.loggers import NoLogger, RunInfo
 from memexp.result import (
     HALF_ON_CPU,
+    RECORD,
     RunRecord,
     TimedOut,
     half_precision_on_cpu,
@@ -117,7 +118,7 @@ def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], override
 def record_run(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
                group: str) -> dict:
     rank, world_size = distributed.env_rank(), distributed.env_world_size()
-    record = RunRecord(run_dir / "result.json" if rank == 0 else None,
+    record = RunRecord(run_dir / RECORD if rank == 0 else None,
                        config=OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                        choices=choices, overrides=overrides)
     logger, trainer = NoLogger(), None  # until built, inside the record's try
@@ -202,7 +203,7 @@ def run_ranks(job: Job, nproc: int) -> dict:
     """trainer.nproc=N: this process spawns N local ranks and waits for all of them; rank 0
     writes result.json, and this process logs its summary."""
     failed = distributed.spawn(job.run, (), nproc)
-    path = job.run_dir / "result.json"
+    path = job.run_dir / RECORD
     codes = ", ".join(f"rank {rank} exit code {code}" for rank, code in failed.items())
     # Rank 0 records every failure it lives to see. A rank killed outright (SIGKILL, the OOM
     # killer) records nothing, and is the cause: the others only lost their connection to it.

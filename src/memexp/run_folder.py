@@ -25,7 +25,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 from memexp import checkpoint, errors
-from memexp.result import BadRecord, finite, load_record
+from memexp.result import RECORD, BadRecord, finite, load_record
 
 LOCK = ".memexp.lock"
 
@@ -70,12 +70,12 @@ def finished_run(folder: Path, config: dict) -> dict | None:
     when it must not. `config` is the run's resolved config."""
     if config["trainer"]["resume"] != "auto":
         return None
-    found = checkpoint.load_newest(folder / "checkpoints", mmap=True)
+    found = checkpoint.load_newest(folder / checkpoint.FOLDER, mmap=True)
     if found is None:
         return None
     path, state = found
     try:
-        record = load_record(folder / "result.json")
+        record = load_record(folder / RECORD)
     except BadRecord:  # none, or unreadable: it cannot be a finished run's
         record = None
     mine = checkpoint.fingerprint_against(state, config)
@@ -88,7 +88,7 @@ def finished_run(folder: Path, config: dict) -> dict | None:
         # none as late as this one): the record is another run's, not this run's result.
         raise checkpoint.ResumeRefused(
             f"{path} ends a run of this config at step {state['step']}, but "
-            f"{folder / 'result.json'} is not that run's record (it records "
+            f"{folder / RECORD} is not that run's record (it records "
             f"{record['metrics'].get('steps')} steps): a later run in this folder replaced it. "
             f"A run resumed from the checkpoint would train nothing. {checkpoint.WHAT_TO_DO}")
     checkpoint.check_resumable(path, state, config)
