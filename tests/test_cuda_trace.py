@@ -20,7 +20,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memexp import cli, cudatrace, fakecuda
-from memexp.estimate import compose_config, with_storage
+from memexp.estimate import Estimate, compose_config, optimizer_kernels, with_storage
 from memexp.gpus import GPUS, LAZY_CONTEXT, gpu
 
 from conftest import CPU_SMALL
@@ -235,6 +235,26 @@ def test_the_cuda_trace_sees_cuda_s_own_ops(h100_amp_trace):
     # fused AdamW, behind the GradScaler's unscale and scale update
     assert {"aten._fused_adamw_", "aten._amp_foreach_non_finite_check_and_unscale_",
             "aten._amp_update_scale_"} <= set(optimizer)
+
+
+# torch's own choice on CUDA, where neither optim.foreach nor optim.fused is given: the foreach
+# kernels for Adam(W) and SGD, its loop for Adafactor; optim.foreach=false asks for the loop.
+@pytest.mark.cudabuild
+@needs_cuda_build
+@pytest.mark.parametrize("overrides, kernels", [
+    (["optim=adamw"], "foreach kernels"), (["optim=sgd_momentum"], "foreach kernels"),
+    (["optim=adafactor"], "loop over parameters"),
+    (["optim=adamw", "optim.foreach=false"], "loop over parameters"),
+], ids=["adamw", "sgd_momentum", "adafactor", "adamw foreach=false"])
+def test_the_cuda_trace_runs_the_optimizer_torch_picks_on_cuda(overrides, kernels):
+    cfg = compose_config([*TINY_GPT, *CPU_SMALL, *overrides])
+    result = Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True), gpu("h100"),
+                                      CUDA_PYTHON))
+    assert optimizer_kernels(result) == kernels
+    if overrides == ["optim=adamw"]:
+        # foreach AdamW's sqrt(exp_avg_sq) of every parameter at once: a list of their size
+        step = result.memory["phases"]["optimizer"]["breakdown"]
+        assert step["other"] >= step["params"]
 
 
 @pytest.mark.cudabuild

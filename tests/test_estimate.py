@@ -87,6 +87,21 @@ def test_what_the_batch_s_values_decide_is_estimated_to_the_byte(overrides):
     assert predicted["breakdown_at_peak"] == real["breakdown_at_peak"]
 
 
+# optim.foreach=true on CPU: torch's foreach kernels, whose temporaries are lists the size of the
+# parameters (AdamW's sqrt(exp_avg_sq), Adafactor's squared gradients; SGD's momentum is updated
+# in place). With a batch of one and checkpointing, AdamW's and Adafactor's runs peak in the step.
+@pytest.mark.parametrize("optim, peak_phase", [("adamw", "optimizer"), ("adafactor", "optimizer"),
+                                               ("sgd_momentum", "backward")])
+def test_a_foreach_optimizer_step_is_estimated_to_the_byte(optim, peak_phase):
+    cfg = compose_train("trainer.max_steps=2", *HF_BERT, "data.batch_size=1", "checkpointing=full",
+                        f"optim={optim}", "optim.foreach=true")
+    predicted, real = estimate(cfg).memory, measured(cfg)
+    assert real["peak_phase"] == peak_phase
+    assert (predicted["peak_bytes"], predicted["peak_phase"]) == (real["peak_bytes"],
+                                                                  real["peak_phase"])
+    assert predicted["phases"]["optimizer"] == real["phases"]["optimizer"]
+
+
 @pytest.mark.parametrize("model, refusal", [
     ("user_models.Routed", "aten.nonzero.default in Routed.forward ("),
     ("user_models.ReadsValues +model.op=unique_consecutive",
@@ -117,6 +132,8 @@ def test_the_cli_prints_the_breakdown_and_refuses_bad_input(capsys):
     assert cli.main(["estimate", "model=mlp", *CPU_SMALL]) == 0
     out = capsys.readouterr().out
     assert "peak" in out and "backward" in out and "activations" in out
+    # torch's choice on CPU, and where the step's temporaries are
+    assert "optimizer step: loop over parameters, its temporaries in the optimizer row's" in out
     assert cli.main(["estimate", "precision=bogus"]) == 2
     err = capsys.readouterr().err
     assert "precision=bogus: there is no such option" in err and "bf16_pure" in err

@@ -58,7 +58,7 @@ def gpu_for(args: argparse.Namespace) -> str:
 
 
 def estimate(args: argparse.Namespace) -> int:
-    from memexp.estimate import attention_kernels, compose_config, describe
+    from memexp.estimate import attention_kernels, compose_config, describe, optimizer_kernels
     from memexp.estimate import estimate as predict
 
     cfg = compose_config(args.overrides)
@@ -67,7 +67,8 @@ def estimate(args: argparse.Namespace) -> int:
         print(json.dumps({"memory": result.memory, "parameters": result.parameters,
                           "flops_per_step": result.flops, "seconds": result.seconds,
                           "target": result.target, "trace": result.trace, "gpu": result.gpu,
-                          "torch": result.torch, "attention": attention_kernels(result)},
+                          "torch": result.torch, "attention": attention_kernels(result),
+                          "optimizer": optimizer_kernels(result)},
                          indent=2))
     else:
         print(describe(cfg, result))

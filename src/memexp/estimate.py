@@ -30,7 +30,8 @@ Where the estimate and a real run can differ:
   attention mask even where the batch has no padding (it never reads a fake mask);
 - with the CPU stand-in, CUDA's choices are not seen: its autocast op lists, its attention
   kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
-  norm, fused optimizers;
+  norm, the foreach optimizers torch takes on CUDA by default (their temporaries are a list
+  the size of the parameters; optim.foreach=true asks for them on any device);
 - cuDNN convolution workspaces are not counted: cuDNN sizes them at run time and torch skips a
   plan whose workspace does not fit, so they take only memory that is free.
 """
@@ -42,7 +43,7 @@ import time
 import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,8 @@ from torch._subclasses.fake_tensor import (
     FakeTensorMode,
     unset_fake_temporarily,
 )
+from torch.optim import optimizer as torch_optimizer
+from torch.utils import _foreach_utils
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
@@ -266,6 +269,27 @@ class _FakeCudaTensorMode(FakeTensorMode):
     avoid_device_init = True
 
 
+@contextmanager
+def _foreach_for_fake_tensors() -> Iterator[None]:
+    """Let torch pick an optimizer's implementation for fake parameters as it does for the
+    plain ones they stand for. Given neither `foreach` nor `fused`, torch's optimizers take
+    the foreach kernels only where every parameter's type is in its list of foreach types and
+    its device has them (torch.optim.optimizer._default_to_fused_or_foreach): CUDA, not CPU.
+    FakeTensor is not in that list, so a trace took the loop over parameters where the run
+    on the GPU takes foreach, and missed its temporaries: AdamW's `sqrt(exp_avg_sq)` of every
+    parameter at once, a parameter-sized list. DTensor puts itself in the same lists (and
+    `_foreach_utils`'s, which clip_grad_norm_ reads) the same way."""
+    lists = (torch_optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types)
+    added = [types for types in lists if FakeTensor not in types]
+    for types in added:
+        types.append(FakeTensor)
+    try:
+        yield
+    finally:
+        for types in added:
+            types.remove(FakeTensor)
+
+
 class _FlopsByPhase(TorchDispatchMode):
     """FLOPs of matmuls and convolutions (torch's own formulas), by the meter's phase: backward
     includes what activation checkpointing recomputes. Also the ops each phase ran, with the
@@ -358,7 +382,7 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     # until no value is out of range). Values never change memory.
     with torch.device("meta"):
         model = build_model(cfg.model)
-    with fake, values, ExitStack() as modes:
+    with fake, values, _foreach_for_fake_tensors(), ExitStack() as modes:
         trainer = Trainer(cfg, allocator=allocator, data=_RealBatches(data, values),
                           model=with_storage(model))
         flops.phase = lambda: trainer.meter.tracker.phase
@@ -470,6 +494,19 @@ def attention_kernels(result: Estimate) -> list[str]:
                    or op.endswith(("_flash_attention_forward", "_efficient_attention_forward"))})
 
 
+def optimizer_kernels(result: Estimate) -> str:
+    """Which implementation the optimizer step ran, read from its ops: torch's fused kernel,
+    its foreach kernels, or a loop over parameters (also torchao's 8-bit step's way)."""
+    ops = result.ops.get("optimizer", ())
+    if any(op.startswith("aten._fused_") for op in ops):
+        return "fused kernel"
+    # A foreach step updates its state and parameters in place (`_foreach_lerp_`); the trainer's
+    # own finite check runs `_foreach_norm`, which is not in place.
+    if any(op.startswith("aten._foreach_") and op.endswith("_") for op in ops):
+        return "foreach kernels"
+    return "loop over parameters"
+
+
 def describe(cfg: DictConfig, result: Estimate) -> str:
     """The estimate for people: the peak, and each phase's peak by category; for CUDA also
     the trace used, the attention kernel, and what no trace shows."""
@@ -486,6 +523,12 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
     for name, phase in memory["phases"].items():
         cells = "".join(f"{mib(phase['breakdown'][c]):>13}" for c in CATEGORY_ORDER)
         lines.append(f"  {name:<10}{mib(phase['peak_bytes']):>12}{cells}")
+    if not cfg.optim.in_backward:  # else each parameter's step runs in backward
+        # What the step allocates and frees is in the optimizer row's `other`: with foreach
+        # kernels, a list the size of the parameters (sqrt(exp_avg_sq) of each, for Adam).
+        temporaries = memory["phases"]["optimizer"]["breakdown"]["other"]
+        lines.append(f"  optimizer step: {optimizer_kernels(result)}, its temporaries in the "
+                     f"optimizer row's other ({mib(temporaries)})")
     flops = result.flops
     lines += ["", f"  FLOPs/step   forward {flops['forward'] / 1e9:,.2f} G, backward "
               f"{flops['backward'] / 1e9:,.2f} G (recomputation included), eval batch "

@@ -4,6 +4,11 @@ Every option has `lr`, `accumulate`, `in_backward` and `keep_grads`; `build(para
 optimizer the trainer steps. Gradients are zeroed with set_to_none (the trainer does it right
 after the step), so no gradient memory lives between steps, unless keep_grads asks for the old
 way.
+
+torch's own optimizers also take `foreach` (and `fused` where torch has a fused kernel), passed
+to torch as given. Null leaves the choice to torch: for Adam, AdamW and SGD its foreach kernels
+on CUDA, whose temporaries are lists the size of all the parameters, and its loop over
+parameters on CPU, whose temporaries are one parameter's size.
 """
 
 from __future__ import annotations
@@ -111,25 +116,35 @@ class OptimizerChoice:
 
 @dataclass(kw_only=True)
 class SGD(OptimizerChoice):
-    """SGD: no state without momentum (`sgd`); one buffer per parameter with it (`sgd_momentum`)."""
+    """SGD: no state without momentum (`sgd`); one buffer per parameter with it (`sgd_momentum`).
+
+    fused:   torch's fused kernel (`_fused_sgd_`); null: torch's choice (not fused).
+    foreach: true: torch's foreach kernels; false: its loop over parameters; null: torch's
+             choice (foreach on CUDA, the loop on CPU).
+    """
 
     lr: float = 0.05
     momentum: float = 0.0
     weight_decay: float = 0.0
+    fused: bool | None = None
+    foreach: bool | None = None
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.SGD(params, lr=self.lr, momentum=self.momentum,
-                               weight_decay=self.weight_decay)
+                               weight_decay=self.weight_decay, fused=self.fused,
+                               foreach=self.foreach)
 
 
 @dataclass(kw_only=True)
 class Adam(OptimizerChoice):
     """Adam: two moments per parameter, 8 bytes per fp32 parameter.
 
-    fused:   torch's fused kernel (one kernel per step, `_fused_adam_`) instead of its default
-             foreach kernels, whose per-step temporaries are lists the size of the parameters.
-    foreach: false: torch's loop over parameters, whose temporaries are one parameter's size;
-             null: torch's choice (foreach on CUDA).
+    fused:   true: torch's fused kernel (one kernel per step, `_fused_adam_`), which has no
+             temporaries; null: torch's choice (not fused).
+    foreach: true: torch's foreach kernels, whose temporaries are lists the size of all the
+             parameters (`sqrt(exp_avg_sq)` of each); false: its loop over parameters, whose
+             temporaries are one parameter's size; null: torch's choice (foreach on CUDA, the
+             loop on CPU). torch reads fused=false with foreach=null as the loop.
     """
 
     lighter: ClassVar[tuple[str, ...]] = ("adafactor", "adamw_8bit")
@@ -137,7 +152,7 @@ class Adam(OptimizerChoice):
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
-    fused: bool = False
+    fused: bool | None = None
     foreach: bool | None = None
 
     def optimizer_class(self) -> type[torch.optim.Optimizer]:
@@ -145,7 +160,7 @@ class Adam(OptimizerChoice):
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
-                                      weight_decay=self.weight_decay, fused=self.fused or None,
+                                      weight_decay=self.weight_decay, fused=self.fused,
                                       foreach=self.foreach)
 
 
@@ -162,7 +177,11 @@ class AdamW(Adam):
 @dataclass(kw_only=True)
 class Adafactor(OptimizerChoice):
     """torch.optim.Adafactor: the second moment of a 2-D weight is kept as a row and a column
-    vector, (rows + columns) numbers instead of rows x columns; no first moment."""
+    vector, (rows + columns) numbers instead of rows x columns; no first moment.
+
+    foreach: true: torch's foreach kernels; false or null: its loop over parameters (torch
+             takes the loop unless foreach=true asks otherwise, on any device). No fused kernel.
+    """
 
     changes_math: ClassVar[str | None] = (
         "another optimizer: factored second moments, no first moment, its own step size")
@@ -171,11 +190,12 @@ class Adafactor(OptimizerChoice):
     eps: float = 1e-3
     d: float = 1.0
     weight_decay: float = 0.0
+    foreach: bool | None = None
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return torch.optim.Adafactor(params, lr=self.lr, beta2_decay=self.beta2_decay,
                                      eps=(None, self.eps), d=self.d,
-                                     weight_decay=self.weight_decay)
+                                     weight_decay=self.weight_decay, foreach=self.foreach)
 
 
 @dataclass(kw_only=True)
@@ -190,9 +210,9 @@ class AdamW8bit(AdamW):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.fused or self.foreach is not None:
+        if self.fused is not None or self.foreach is not None:
             raise ValueError("optim.fused and optim.foreach: optim=adamw_8bit has one kernel of "
-                             "its own; leave them unset (false and null)")
+                             "its own; leave them unset (null)")
 
     def make(self, params: list[Tensor]) -> torch.optim.Optimizer:
         return self.optimizer_class()(params, lr=self.lr, betas=tuple(self.betas), eps=self.eps,
