@@ -38,23 +38,11 @@ CUBLAS_OPS = {_ops.mm, _ops.addmm, _ops.bmm, _ops.baddbmm, _ops.addbmm, _ops.mv,
 # addmm with a bias vector (nn.Linear) takes cublasLt's fused bias epilogue, which has a
 # workspace of its own.
 CUBLASLT_OPS = {_ops.addmm, _ops._addmm_activation}
-MIB = 2**20
-# cublasLt's workspace: CUBLASLT_WORKSPACE_SIZE, 1024 KiB by default, kept apart from cuBLAS's
-# (torch's CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize and getCUDABlasLtWorkspace).
-CUBLASLT_WORKSPACE = 1 * MIB
-
-
-def cublas_workspace(gpu: Gpu) -> int:
-    """The cuBLAS workspace torch gives each (handle, stream): 32 MiB on sm_90, else
-    ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB (CublasHandlePool.cpp, parseChosenWorkspaceSize;
-    CUBLAS_WORKSPACE_CONFIG changes it)."""
-    return 32 * MIB if gpu.capability == (9, 0) else 2 * 4 * MIB + 8 * 16 * 1024
-
-
 class CublasWorkspaces(TorchDispatchMode):
     """The cuBLAS workspaces a CUDA run allocates through the caching allocator, fed to its
-    model as they are allocated. torch keeps one cuBLAS handle per thread, and gives each
-    (handle, stream) a workspace on its first cuBLAS call, kept for the life of the process.
+    model as they are allocated, of the sizes memexp.gpus gives the GPU. torch keeps one cuBLAS
+    handle per thread, and gives each (handle, stream) a workspace on its first cuBLAS call
+    (and a cuBLASLt one on its first cuBLASLt call), kept for the life of the process.
     A training step calls cuBLAS from two threads: the caller's (forward, evaluation, the
     optimizer) and autograd's device thread (backward, recomputation included)."""
 
@@ -72,10 +60,12 @@ class CublasWorkspaces(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in CUBLAS_OPS:
             thread = "autograd" if self.phase() == "backward" else "caller"
-            self._allocate(("cublas", thread), cublas_workspace(self.gpu))
+            cublas = self.gpu.cublas_workspace.nbytes
+            self._allocate(("cublas", thread), cublas)
             if packet in CUBLASLT_OPS:
+                # torch caps cuBLASLt's at cuBLAS's (getCUDABlasLtWorkspaceSize)
                 self._allocate(("cublaslt", thread),
-                               min(CUBLASLT_WORKSPACE, cublas_workspace(self.gpu)))
+                               min(self.gpu.cublaslt_workspace.nbytes, cublas))
         return func(*args, **(kwargs or {}))
 
     def _allocate(self, key: tuple[str, str], nbytes: int) -> None:

@@ -413,9 +413,9 @@ def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspac
         "cublas_workspace_bytes": workspaces,
         "allocated_peak_bytes": traced_peak + workspaces,
         "reserved_peak_bytes": allocator.reserved_peak,
-        # outside it: nvidia-smi counts it (memexp.gpus, LAZY_CONTEXT)
-        "context_bytes": device.context,
-        "device_peak_bytes": allocator.reserved_peak + device.context,
+        # outside it: nvidia-smi counts it (memexp.gpus)
+        "context_bytes": device.context.nbytes,
+        "device_peak_bytes": allocator.reserved_peak + device.context.nbytes,
     }
 
 
@@ -520,13 +520,14 @@ def cuda_lines(result: Estimate) -> list[str]:
         f"  peak         {mib(memory['peak_bytes']):>10}  in {memory['peak_phase']}: traced "
         "tensors, in the caching allocator's blocks",
         f"  + cuBLAS     {mib(workspaces):>10}  workspaces of the threads that call cuBLAS "
-        f"({mib(cudatrace.cublas_workspace(device))} each on {device.sm}, + 1 MiB for cublasLt)",
+        f"({mib(device.cublas_workspace.nbytes)} each on {device.sm}, + "
+        f"{mib(device.cublaslt_workspace.nbytes)} for cublasLt; memexp.gpus)",
         f"  = allocated  {mib(memory['allocated_peak_bytes']):>10}  compare "
         "torch.cuda.max_memory_allocated()",
         f"  reserved     {mib(memory['reserved_peak_bytes']):>10}  compare "
         "torch.cuda.max_memory_reserved()",
-        f"  + context    {mib(memory['context_bytes']):>10}  the CUDA context, modelled "
-        "(memexp.gpus); outside torch's allocator",
+        f"  + context    {mib(memory['context_bytes']):>10}  the CUDA context (outside "
+        f"torch's allocator), {device.context.source}",
         f"  = device     {mib(memory['device_peak_bytes']):>10}  compare nvidia-smi; the "
         f"{device.key} has {mib(device.memory)}",
         "  not counted  cuDNN's convolution workspaces (sized at run time from free memory)",
