@@ -20,8 +20,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memexp import cli, cudatrace, fakecuda
-from memexp.estimate import compose_config, with_storage
+from memexp.estimate import compose_config, describe, estimate, with_storage
 from memexp.gpus import GPUS, gpu
+from memexp.result import mib
 
 from conftest import CPU_SMALL
 
@@ -139,6 +140,7 @@ def test_without_the_cuda_build_the_estimate_says_it_used_the_cpu_stand_in(monke
     assert "NVIDIA A100-SXM4-40GB (a100-40gb, sm_80)" in text
     assert "trace        CPU stand-in" in text and "make cuda-estimator" in text
     assert "attention    aten._scaled_dot_product_flash_attention_for_cpu" in text
+    assert "cuDNN" not in text  # no convolution, no cuDNN workspace
     assert cli.main(["estimate", *overrides, "--target", "cuda", "--gpu", "a100-40gb",
                      "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -172,6 +174,21 @@ def test_every_gpu_s_context_and_workspaces_say_where_they_come_from(monkeypatch
     context = next(line for line in capsys.readouterr().out.splitlines()
                    if line.startswith("  + context"))
     assert context.split()[2:4] == ["527.0", "MiB"] and h100.source in context
+
+
+def test_a_cuda_estimate_gives_cudnn_s_convolution_workspaces_a_size(monkeypatch):
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    cfg = compose_config(["model=resnet", "model.blocks_per_stage=[1,1,1,1]", "data.batch_size=4",
+                          "data.image_size=16", "data.num_eval=8", *CPU_SMALL])
+    result = estimate(cfg, target="cuda", gpu_key="t4")
+    # the largest im2col matrix: a 3x3 convolution of the first stage's 16 channels, by
+    # batch 4 x 16 x 16 output positions, fp32
+    bound = 16 * 9 * 4 * 16 * 16 * 4
+    assert result.memory["cudnn_workspace_bound_bytes"] == bound
+    assert (f"cuDNN's convolution workspaces, each allocated for one call: up to {mib(bound)} "
+            "if cuDNN's algorithm needs no more than explicit GEMM's (the im2col matrix of the "
+            "largest convolution, (3, 3) kernel, (4, 16, 16, 16) -> (4, 16, 16, 16))"
+            ) in describe(cfg, result)
 
 
 def test_gpu_flags_are_checked(capsys):

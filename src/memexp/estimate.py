@@ -32,7 +32,9 @@ Where the estimate and a real run can differ:
   kernels (which keep a logsumexp where a math path keeps the attention matrix), cuDNN batch
   norm, fused optimizers;
 - cuDNN convolution workspaces are not counted: cuDNN sizes them at run time and torch skips a
-  plan whose workspace does not fit, so they take only memory that is free.
+  plan whose workspace does not fit. A CUDA estimate names a size for them
+  (memexp.cudatrace.ConvolutionWorkspaces): explicit GEMM's, the largest convolution's im2col
+  matrix.
 """
 
 from __future__ import annotations
@@ -365,12 +367,15 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
             workspaces.phase = flops.phase
+            convolutions = modes.enter_context(cudatrace.ConvolutionWorkspaces())
         with flops:
             trainer.fit(NoLogger())
     memory = trainer.meter.report()
     memory["source"] = f"estimate ({'cpu' if device is None else 'cuda'})"
     if device is not None:
-        memory.update(untraced_memory(memory["peak_bytes"], allocator, workspaces.total, device))
+        memory.update(untraced_memory(memory["peak_bytes"], allocator, workspaces.total, device),
+                      cudnn_workspace_bound_bytes=convolutions.largest,
+                      cudnn_workspace_bound_convolution=convolutions.shape)
     # Two training steps and two eval batches were traced.
     per_step = {phase: flops.by_phase[phase] // 2
                 for phase in ("forward", "backward", "optimizer", "eval")}
@@ -530,6 +535,23 @@ def cuda_lines(result: Estimate) -> list[str]:
         f"torch's allocator), {device.context.source}",
         f"  = device     {mib(memory['device_peak_bytes']):>10}  compare nvidia-smi; the "
         f"{device.key} has {mib(device.memory)}",
-        "  not counted  cuDNN's convolution workspaces (sized at run time from free memory)",
     ]
+    return lines + uncounted_lines(memory)
+
+
+def uncounted_lines(memory: dict) -> list[str]:
+    """What a CUDA estimate does not count, and a size for it where one can be given."""
+    # The allocator model follows CUDACachingAllocator.cpp's default rules; what it cannot
+    # follow, read there, is named (memexp.memory.allocator).
+    lines = ["  not counted  in reserved, the holes left by workspaces that kernels allocate for "
+             "one call (cuDNN's), and by the allocator's choice among free blocks of one size "
+             "(by address; the model's, by segment age)"]
+    bound, convolution = (memory["cudnn_workspace_bound_bytes"],
+                          memory["cudnn_workspace_bound_convolution"])
+    if bound:
+        lines.append(
+            f"  not counted  cuDNN's convolution workspaces, each allocated for one call: up "
+            f"to {mib(bound)} if cuDNN's algorithm needs no more than explicit GEMM's (the "
+            f"im2col matrix of the largest convolution, {convolution}); allocated and reserved "
+            "can grow by as much")
     return lines
