@@ -61,12 +61,14 @@ OLDER_ARCH = modelled_as(ADA_CONTEXT, "the RTX 6000 Ada's, the only lazily loade
 # CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE change them. On the H100 the GPU tests'
 # MLP run allocated what the estimate predicted with these to the byte (77,430,784 bytes, once
 # an earlier test's 9,815,040 bytes of uncollected garbage are taken out).
-CUBLAS_DEFAULT = Figure(2 * 4 * MIB + 8 * 16 * 1024, "torch's default, ':4096:2:16:8' = 2 x 4 MiB "
-                        "+ 8 x 16 KiB (CublasHandlePool.cpp, parseChosenWorkspaceSize)")
-CUBLAS_SM90 = Figure(32 * MIB, "torch's default on sm_90, 4096 KiB x 8 (CublasHandlePool.cpp, "
-                     "parseChosenWorkspaceSize); measured on the H100, torch 2.11.0+cu130")
-CUBLASLT = Figure(1 * MIB, "torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB, kept apart "
-                  "from cuBLAS's (CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize)")
+CUBLAS_DEFAULT = Figure(2 * 4 * MIB + 8 * 16 * 1024,
+                        "published: torch's default, ':4096:2:16:8' = 2 x 4 MiB + 8 x 16 KiB "
+                        "(CublasHandlePool.cpp, parseChosenWorkspaceSize)")
+CUBLAS_SM90 = Figure(32 * MIB, "published: torch's default on sm_90, 4096 KiB x 8 "
+                     "(CublasHandlePool.cpp, parseChosenWorkspaceSize); measured on the H100, "
+                     "torch 2.11.0+cu130")
+CUBLASLT = Figure(1 * MIB, "published: torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB, kept "
+                  "apart from cuBLAS's (CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize)")
 
 
 @dataclass(frozen=True)
