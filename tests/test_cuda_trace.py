@@ -20,8 +20,16 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 from memexp import cli, cudatrace, fakecuda
-from memexp.estimate import Estimate, compose_config, optimizer_kernels, with_storage
-from memexp.gpus import GPUS, LAZY_CONTEXT, gpu
+from memexp.estimate import (
+    Estimate,
+    compose_config,
+    describe,
+    estimate,
+    optimizer_kernels,
+    with_storage,
+)
+from memexp.gpus import GPUS, gpu
+from memexp.result import mib
 
 from conftest import CPU_SMALL
 
@@ -139,6 +147,7 @@ def test_without_the_cuda_build_the_estimate_says_it_used_the_cpu_stand_in(monke
     assert "NVIDIA A100-SXM4-40GB (a100-40gb, sm_80)" in text
     assert "trace        CPU stand-in" in text and "make cuda-estimator" in text
     assert "attention    aten._scaled_dot_product_flash_attention_for_cpu" in text
+    assert "convolution workspaces" not in text  # no convolution, no size for one
     assert cli.main(["estimate", *overrides, "--target", "cuda", "--gpu", "a100-40gb",
                      "--json"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -149,10 +158,43 @@ def test_without_the_cuda_build_the_estimate_says_it_used_the_cpu_stand_in(monke
     assert memory["cublas_workspace_bytes"] == 2 * (8 * MIB + 128 * 1024) + MIB
     assert memory["allocated_peak_bytes"] == memory["peak_bytes"] + memory[
         "cublas_workspace_bytes"]
-    assert memory["context_bytes"] == LAZY_CONTEXT
-    assert memory["device_peak_bytes"] == memory["reserved_peak_bytes"] + LAZY_CONTEXT
+    context = gpu("a100-40gb").context.nbytes
+    assert memory["context_bytes"] == context
+    assert memory["device_peak_bytes"] == memory["reserved_peak_bytes"] + context
     # the workspaces live in the allocator's segments: a 20 MiB one holds both (< 10 MiB each)
     assert memory["reserved_peak_bytes"] >= memory["allocated_peak_bytes"]
+
+
+def test_every_gpu_s_context_and_workspaces_say_where_they_come_from(monkeypatch, capsys):
+    for device in GPUS.values():
+        for figure in (device.context, device.cublas_workspace, device.cublaslt_workspace):
+            assert figure.nbytes > 0
+            assert figure.source.startswith(("measured: ", "published: ", "not measured: "))
+    # what an H100 measured on 2026-11-26, with its stack
+    h100 = gpu("h100").context
+    assert h100.nbytes == 527 * MIB
+    assert "torch 2.11.0+cu130" in h100.source and "driver 580.159.04" in h100.source
+    # the context line of an estimate says where its figure comes from
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    assert cli.main(["estimate", *TINY_GPT, *CPU_SMALL, "--target", "cuda", "--gpu", "h100"]) == 0
+    context = next(line for line in capsys.readouterr().out.splitlines()
+                   if line.startswith("  + context"))
+    assert context.split()[2:4] == ["527.0", "MiB"] and h100.source in context
+
+
+def test_a_cuda_estimate_gives_cudnn_s_convolution_workspaces_a_size(monkeypatch):
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    cfg = compose_config(["model=resnet", "model.blocks_per_stage=[1,1,1,1]", "data.batch_size=4",
+                          "data.image_size=16", "data.num_eval=8", *CPU_SMALL])
+    result = estimate(cfg, target="cuda", gpu_key="t4")
+    # the largest im2col matrix: a 3x3 convolution of the first stage's 16 channels, by
+    # batch 4 x 16 x 16 output positions, fp32
+    bound = 16 * 9 * 4 * 16 * 16 * 4
+    assert result.memory["cudnn_workspace_bound_bytes"] == bound
+    assert (f"cuDNN's convolution workspaces, each allocated for one call: up to {mib(bound)} "
+            "if cuDNN's algorithm needs no more than explicit GEMM's (the im2col matrix of the "
+            "largest convolution, (3, 3) kernel, (4, 16, 16, 16) -> (4, 16, 16, 16))"
+            ) in describe(cfg, result)
 
 
 def test_gpu_flags_are_checked(capsys):
@@ -170,7 +212,7 @@ def test_a_cuda_plan_fits_the_gpu_less_its_context(monkeypatch, capsys):
                  "checkpointing=none", "optim.accumulate=1"]
     assert cli.main(["plan", *arguments, "--target", "cuda", "--gpu", "t4"]) == 0
     t4 = gpu("t4")
-    assert f"fit in {(t4.memory - t4.context) // MIB}MiB (cuda estimate)" in (
+    assert f"fit in {(t4.memory - t4.context.nbytes) // MIB}MiB (cuda estimate)" in (
         capsys.readouterr().out)
 
 

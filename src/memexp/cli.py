@@ -93,7 +93,7 @@ def plan(args: argparse.Namespace) -> int:
     if not budgets and args.target == "cuda":
         # The GPU's capacity: what its memory leaves torch's allocator beside the context.
         device = gpu(gpu_for(args))
-        budgets = [f"{(device.memory - device.context) // 2**20}MiB"]
+        budgets = [f"{(device.memory - device.context.nbytes) // 2**20}MiB"]
     if len(budgets) != 1:
         raise ValueError("memexp plan needs one budget=<size>, such as budget=24GiB "
                          "(with --target cuda, the --gpu's memory by default)")

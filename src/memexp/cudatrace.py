@@ -16,6 +16,7 @@ inside torch's allocator) and the CUDA context (memexp.gpus, outside it).
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,23 +39,11 @@ CUBLAS_OPS = {_ops.mm, _ops.addmm, _ops.bmm, _ops.baddbmm, _ops.addbmm, _ops.mv,
 # addmm with a bias vector (nn.Linear) takes cublasLt's fused bias epilogue, which has a
 # workspace of its own.
 CUBLASLT_OPS = {_ops.addmm, _ops._addmm_activation}
-MIB = 2**20
-# cublasLt's workspace: CUBLASLT_WORKSPACE_SIZE, 1024 KiB by default, kept apart from cuBLAS's
-# (torch's CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize and getCUDABlasLtWorkspace).
-CUBLASLT_WORKSPACE = 1 * MIB
-
-
-def cublas_workspace(gpu: Gpu) -> int:
-    """The cuBLAS workspace torch gives each (handle, stream): 32 MiB on sm_90, else
-    ":4096:2:16:8" = 2 x 4 MiB + 8 x 16 KiB (CublasHandlePool.cpp, parseChosenWorkspaceSize;
-    CUBLAS_WORKSPACE_CONFIG changes it)."""
-    return 32 * MIB if gpu.capability == (9, 0) else 2 * 4 * MIB + 8 * 16 * 1024
-
-
 class CublasWorkspaces(TorchDispatchMode):
     """The cuBLAS workspaces a CUDA run allocates through the caching allocator, fed to its
-    model as they are allocated. torch keeps one cuBLAS handle per thread, and gives each
-    (handle, stream) a workspace on its first cuBLAS call, kept for the life of the process.
+    model as they are allocated, of the sizes memexp.gpus gives the GPU. torch keeps one cuBLAS
+    handle per thread, and gives each (handle, stream) a workspace on its first cuBLAS call
+    (and a cuBLASLt one on its first cuBLASLt call), kept for the life of the process.
     A training step calls cuBLAS from two threads: the caller's (forward, evaluation, the
     optimizer) and autograd's device thread (backward, recomputation included)."""
 
@@ -72,15 +61,60 @@ class CublasWorkspaces(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in CUBLAS_OPS:
             thread = "autograd" if self.phase() == "backward" else "caller"
-            self._allocate(("cublas", thread), cublas_workspace(self.gpu))
+            cublas = self.gpu.cublas_workspace.nbytes
+            self._allocate(("cublas", thread), cublas)
             if packet in CUBLASLT_OPS:
+                # torch caps cuBLASLt's at cuBLAS's (getCUDABlasLtWorkspaceSize)
                 self._allocate(("cublaslt", thread),
-                               min(CUBLASLT_WORKSPACE, cublas_workspace(self.gpu)))
+                               min(self.gpu.cublaslt_workspace.nbytes, cublas))
         return func(*args, **(kwargs or {}))
 
     def _allocate(self, key: tuple[str, str], nbytes: int) -> None:
         if key not in self.allocated:  # negative keys: never a storage's id()
             self.allocated[key] = self.allocator.malloc(-1 - len(self.allocated), nbytes)
+
+
+# The convolutions torch hands to cuDNN on a CUDA device where cuDNN is enabled
+# (ATen/native/Convolution.cpp), forward and backward.
+CONVOLUTION_OPS = {_ops.convolution, _ops.convolution_backward}
+
+
+class ConvolutionWorkspaces(TorchDispatchMode):
+    """A size for cuDNN's convolution workspaces, which no trace shows: cuDNN picks each
+    convolution's algorithm at run time from its heuristics, and torch allocates that
+    algorithm's workspace through the caching allocator for the one call, skipping a plan whose
+    workspace does not fit. No rule bounds every algorithm's workspace; the explicit-GEMM
+    algorithm's is the convolution's own im2col matrix (input channels x kernel positions, by
+    batch x output positions), which the implicit-GEMM and Winograd ones stay below. `largest`
+    is that matrix for the largest convolution the run makes, forward or backward."""
+
+    def __init__(self):
+        super().__init__()
+        self.largest = 0
+        self.shape = ""  # the largest convolution's, for the estimate's line
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        packet = func._overloadpacket
+        if packet is _ops.convolution:
+            # (input, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
+            self._note(args[0], args[1], out, args[6], args[8])
+        elif packet is _ops.convolution_backward:
+            # (grad_output, input, weight, bias_sizes, stride, padding, dilation, transposed,
+            #  output_padding, groups, output_mask): the output's positions are grad_output's
+            self._note(args[1], args[2], args[0], args[7], args[9])
+        return out
+
+    def _note(self, input, weight, output, transposed: bool, groups: int) -> None:
+        # a transposed convolution's weight is (in, out / groups, kernel...), and its matrix
+        # spans the input's positions
+        rows = weight.shape[1] * groups * math.prod(weight.shape[2:])
+        positions = math.prod((input if transposed else output).shape[2:])
+        nbytes = rows * input.shape[0] * positions * input.element_size()
+        if nbytes > self.largest:
+            self.largest = nbytes
+            self.shape = (f"{'transposed ' if transposed else ''}{tuple(weight.shape[2:])} "
+                          f"kernel, {tuple(input.shape)} -> {tuple(output.shape)}")
 
 
 def cuda_python() -> Path | None:

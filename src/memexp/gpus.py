@@ -1,13 +1,18 @@
 """The GPUs a CUDA estimate can be for (`memexp estimate --target cuda --gpu h100`).
 
-A GPU sets three things:
+A GPU sets four things:
 - what the fake CUDA device reports to torch (memexp.fakecuda): the compute capability decides
-  kernels (flash attention needs sm_80; sm_90 gets a 32 MiB cuBLAS workspace), and the shared
-  memory per block limits which attention kernels fit a head size;
+  kernels (flash attention needs sm_80), and the shared memory per block limits which attention
+  kernels fit a head size;
 - the capacity `memexp plan` fits plans into;
+- the cuBLAS and cuBLASLt workspaces torch gives each thread that calls cuBLAS, inside its
+  caching allocator (memexp.cudatrace.CublasWorkspaces adds them where they are first used);
 - the CUDA context added to the estimate: memory the driver holds for the process (kernels,
   the context's own state), outside torch's allocator, so `nvidia-smi` shows it and
   `torch.cuda.max_memory_allocated()` does not.
+
+Each of those figures carries its source: a measurement with its stack, a published figure with
+its citation, or "not measured: modelled as ..." with what stands in for it.
 
 Memory sizes are what `nvidia-smi` reports as the total for each board.
 """
@@ -18,14 +23,52 @@ from dataclasses import dataclass
 
 MIB = 2**20
 
-# The CUDA context of a training process on a current stack (CUDA 11.7+ loads kernels lazily;
-# torch sets CUDA_MODULE_LOADING=LAZY since 1.13, PyTorch PR #86509). The one measurement with
-# its stack stated: 426 MiB in nvidia-smi once torch 2.10.0+cu130 made its context on an RTX
-# 6000 Ada (unsloth-zoo PR #1053). PR #86509 measured 274 MiB lazy against 636 MiB eager on
-# CUDA 11.7. Kernels that load later (cuBLAS, cuDNN) add to it by an amount nobody has
-# published per GPU, so this is a floor. Before lazy loading, contexts of 0.6-1 GB were the rule
-# (Titan X to Tesla T4, transformers issue #6222; 1008 MiB on a Titan V, PyTorch issue #28394).
-LAZY_CONTEXT = 426 * MIB
+
+@dataclass(frozen=True)
+class Figure:
+    """A number of bytes and where it comes from."""
+
+    nbytes: int
+    source: str
+
+
+# The CUDA context of a training process on a current stack: CUDA 11.7+ loads kernels lazily,
+# and torch sets CUDA_MODULE_LOADING=LAZY since 1.13 (PyTorch PR #86509, which measured 274 MiB
+# lazy against 636 MiB eager on CUDA 11.7). It depends on the GPU (it grows with the SM count:
+# 107 MiB on an RTX 4060 Ti against 555 MiB on an RTX PRO 6000 Blackwell for a bare context,
+# llama.cpp PR #23604), the driver and the CUDA version. Kernels that load later (cuBLAS,
+# cuDNN) add to it. Before lazy loading, contexts of 0.6-1 GB were the rule (Titan X to
+# Tesla T4, transformers issue #6222; 1008 MiB on a Titan V, PyTorch issue #28394).
+H100_CONTEXT = Figure(527 * MIB, "measured: nvidia-smi after torch's CUDA init on an H100 80GB "
+                      "HBM3, torch 2.11.0+cu130 (CUDA 13.0), driver 580.159.04 (2026-11-26)")
+ADA_CONTEXT = Figure(426 * MIB, "published: nvidia-smi once torch 2.10.0+cu130 made its "
+                     "context on an RTX 6000 Ada, sm_89 with 142 SMs (unsloth-zoo PR #1053)")
+
+
+def modelled_as(figure: Figure, why: str) -> Figure:
+    """A figure that stands in for a GPU nobody has measured, saying so."""
+    return Figure(figure.nbytes, f"not measured: modelled as {figure.nbytes // MIB} MiB, {why} "
+                  f"({figure.source})")
+
+
+SAME_CHIP_AS_H100 = modelled_as(H100_CONTEXT, "the H100's, the same GH100 chip and SM count")
+SAME_ARCH_AS_ADA = modelled_as(ADA_CONTEXT, "the RTX 6000 Ada's (the same architecture)")
+OLDER_ARCH = modelled_as(ADA_CONTEXT, "the RTX 6000 Ada's, the only lazily loaded context "
+                         "published with its stack; one with fewer SMs may be smaller")
+
+# The workspaces torch allocates through its caching allocator, per (cuBLAS handle, stream):
+# parseChosenWorkspaceSize and getCUDABlasLtWorkspaceSize in ATen/cuda/CublasHandlePool.cpp;
+# CUBLAS_WORKSPACE_CONFIG and CUBLASLT_WORKSPACE_SIZE change them. On the H100 the GPU tests'
+# MLP run allocated what the estimate predicted with these to the byte (77,430,784 bytes, once
+# an earlier test's 9,815,040 bytes of uncollected garbage are taken out).
+CUBLAS_DEFAULT = Figure(2 * 4 * MIB + 8 * 16 * 1024,
+                        "published: torch's default, ':4096:2:16:8' = 2 x 4 MiB + 8 x 16 KiB "
+                        "(CublasHandlePool.cpp, parseChosenWorkspaceSize)")
+CUBLAS_SM90 = Figure(32 * MIB, "published: torch's default on sm_90, 4096 KiB x 8 "
+                     "(CublasHandlePool.cpp, parseChosenWorkspaceSize); measured on the H100, "
+                     "torch 2.11.0+cu130")
+CUBLASLT = Figure(1 * MIB, "published: torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB, kept "
+                  "apart from cuBLAS's (CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize)")
 
 
 @dataclass(frozen=True)
@@ -57,7 +100,9 @@ class Gpu:
     sms: int
     l2_bytes: int
     bus_width: int  # bits
-    context: int = LAZY_CONTEXT  # bytes the CUDA context holds (see LAZY_CONTEXT)
+    context: Figure  # the CUDA context, outside torch's allocator
+    cublas_workspace: Figure  # per (cuBLAS handle, stream), inside torch's allocator
+    cublaslt_workspace: Figure = CUBLASLT
 
     @property
     def architecture(self) -> Architecture:
@@ -69,18 +114,30 @@ class Gpu:
 
 
 GPUS = {gpu.key: gpu for gpu in (
-    Gpu("h100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * MIB, 132, 50 * MIB, 5120),
-    Gpu("h200", "NVIDIA H200", (9, 0), 143771 * MIB, 132, 50 * MIB, 6144),
-    Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 81920 * MIB, 108, 40 * MIB, 5120),
-    Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 40960 * MIB, 108, 40 * MIB, 5120),
-    Gpu("l40s", "NVIDIA L40S", (8, 9), 46068 * MIB, 142, 96 * MIB, 384),
-    Gpu("l4", "NVIDIA L4", (8, 9), 23034 * MIB, 58, 48 * MIB, 192),
-    Gpu("a10g", "NVIDIA A10G", (8, 6), 23028 * MIB, 80, 6 * MIB, 384),
-    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * MIB, 128, 72 * MIB, 384),
-    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24576 * MIB, 82, 6 * MIB, 384),
-    Gpu("v100-16gb", "Tesla V100-SXM2-16GB", (7, 0), 16384 * MIB, 80, 6 * MIB, 4096),
-    Gpu("v100-32gb", "Tesla V100-SXM2-32GB", (7, 0), 32768 * MIB, 80, 6 * MIB, 4096),
-    Gpu("t4", "Tesla T4", (7, 5), 15360 * MIB, 40, 4 * MIB, 256),
+    Gpu("h100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * MIB, 132, 50 * MIB, 5120,
+        H100_CONTEXT, CUBLAS_SM90),
+    Gpu("h200", "NVIDIA H200", (9, 0), 143771 * MIB, 132, 50 * MIB, 6144,
+        SAME_CHIP_AS_H100, CUBLAS_SM90),
+    Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 81920 * MIB, 108, 40 * MIB, 5120,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("a100-40gb", "NVIDIA A100-SXM4-40GB", (8, 0), 40960 * MIB, 108, 40 * MIB, 5120,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("l40s", "NVIDIA L40S", (8, 9), 46068 * MIB, 142, 96 * MIB, 384,
+        SAME_ARCH_AS_ADA, CUBLAS_DEFAULT),
+    Gpu("l4", "NVIDIA L4", (8, 9), 23034 * MIB, 58, 48 * MIB, 192,
+        SAME_ARCH_AS_ADA, CUBLAS_DEFAULT),
+    Gpu("a10g", "NVIDIA A10G", (8, 6), 23028 * MIB, 80, 6 * MIB, 384,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("rtx4090", "NVIDIA GeForce RTX 4090", (8, 9), 24564 * MIB, 128, 72 * MIB, 384,
+        SAME_ARCH_AS_ADA, CUBLAS_DEFAULT),
+    Gpu("rtx3090", "NVIDIA GeForce RTX 3090", (8, 6), 24576 * MIB, 82, 6 * MIB, 384,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("v100-16gb", "Tesla V100-SXM2-16GB", (7, 0), 16384 * MIB, 80, 6 * MIB, 4096,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("v100-32gb", "Tesla V100-SXM2-32GB", (7, 0), 32768 * MIB, 80, 6 * MIB, 4096,
+        OLDER_ARCH, CUBLAS_DEFAULT),
+    Gpu("t4", "Tesla T4", (7, 5), 15360 * MIB, 40, 4 * MIB, 256,
+        OLDER_ARCH, CUBLAS_DEFAULT),
 )}
 
 

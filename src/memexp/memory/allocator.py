@@ -14,6 +14,12 @@ no max_split_size, one stream):
 - a freed block merges with free neighbours of its segment and stays cached (reserved).
 
 `malloc` returns the bytes the allocator would count as allocated for the request.
+
+What it cannot follow: among free blocks of one size the allocator takes the lowest address,
+which a trace has not (the model takes the oldest segment's); and it sees only the tensors
+traced, not the workspaces kernels allocate for one call (cuDNN's convolutions and attention),
+whose blocks leave holes in reserved memory. With expandable_segments, max_split_size_mb or
+roundup_power2_divisions set (PYTORCH_CUDA_ALLOC_CONF), the real allocator packs differently.
 """
 
 from __future__ import annotations

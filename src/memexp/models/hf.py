@@ -120,9 +120,8 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
     pretrained_strict: refuse weights that do not fill the model exactly (tensors missing from
                  the folder, unused or of another shape); false: train on them, and the run's
                  record says which (`model_load`)
-    gradient_checkpointing: the library's own gradient checkpointing (`activation_checkpointing_
-                 enable()`, formerly gradient_checkpointing_enable), non-reentrant, to compare
-                 with memexp's checkpointing (use one or the other)"""
+    gradient_checkpointing: the library's own gradient checkpointing (`library_checkpointing`),
+                 non-reentrant, to compare with memexp's checkpointing (use one or the other)"""
     # before anything heavy: a task the architecture lacks is refused naming those it has
     check_choice(arch, task)
     import transformers
@@ -158,9 +157,22 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
                 "then lists them under model_load)")
         LOADED[model] = load
     if gradient_checkpointing:
-        model.activation_checkpointing_enable(
-            activation_checkpointing_kwargs={"use_reentrant": False})
+        library_checkpointing(model)
     return model
+
+
+def library_checkpointing(model: nn.Module) -> None:
+    """Turn on transformers' own checkpointing, non-reentrant, under the name the installed
+    release gives it: `activation_checkpointing_enable` since a release after 5.18 (the old
+    name then warns, and goes in v6), `gradient_checkpointing_enable` up to 5.18, each with
+    its keyword argument named alike. The library's base class is asked, not the model."""
+    from transformers import PreTrainedModel
+
+    kwargs = {"use_reentrant": False}
+    if "activation_checkpointing_enable" in vars(PreTrainedModel):
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def hf_config(arch: str, config: dict | None, config_extra: dict | None,
