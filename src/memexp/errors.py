@@ -28,6 +28,8 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
+from memexp.adapters.atexit import run_exit_handlers
+
 FULL_ERROR = "HYDRA_FULL_ERROR"
 # What a run's own checks raise about its config: a value or a path (memexp's techniques and
 # data readers), or something Hydra or OmegaConf could not build or resolve.
@@ -169,9 +171,7 @@ def exit_done() -> NoReturn:
 
 def exit_now(code: int) -> NoReturn:
     """The exit handlers, the standard streams flushed, and the end, without finalization."""
-    import atexit
-
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)

@@ -31,7 +31,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.config_repository import IConfigRepository
 from hydra.core.object_type import ObjectType
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -40,6 +39,8 @@ from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmitit
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.memexp_launcher import preloaded
+from memexp.adapters import hydra as hydra_private
+from memexp.adapters.hydra import IConfigRepository
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class ComposedOnce:
     def __init__(self, loader):
         self._loader = loader
         self._composed: dict[tuple, DictConfig] = {}
-        loader.repository = SweepRepository(loader.repository)
+        hydra_private.wrap_repository(loader, SweepRepository)
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]):
         key = (id(master_config), tuple(sweep_overrides))
@@ -138,8 +139,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         # The sweeper holds the same context, and checks each batch with its loader next.
-        if not isinstance(hydra_context.config_loader, ComposedOnce):
-            hydra_context.config_loader = ComposedOnce(hydra_context.config_loader)
+        hydra_private.replace_loader(hydra_context, ComposedOnce)
         # train.py started a preloaded server for any sweep (-m); only local jobs use one.
         self._server = self._preloaded_server(preloaded.take_early())
 
