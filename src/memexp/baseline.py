@@ -3,7 +3,7 @@
 The baseline option of precision, checkpointing and bn_mode is the class its group marks
 `baseline` (FP32, NoCheckpointing, TrainBN); accumulating k micro-batches of b samples is the
 workload of one batch of k * b. The sweep report compares each run with its workload's baseline
-run, and a run times its own baseline beside it (memexp.trainer.PairedBaseline), so that their
+run, and a run times its own baseline beside it (memexp.paired.PairedBaseline), so that their
 time ratio sees the same machine at the same moments.
 """
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from memexp.build import build
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
 from memexp.result import mib
-from memexp.trainer import build
 
 # The candidates of each group when the command line names none.
 DEFAULT_SPACE = {
@@ -110,7 +110,7 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     import torch
     from torch import nn
 
-    from memexp.trainer import build_model
+    from memexp.build import build_model
 
     with torch.device("meta"):  # structure only: no memory, no time
         model = build_model(cfg.model)
