@@ -2,9 +2,11 @@
 
 The search space is precision x optim x bn_mode ("what is computed") times checkpointing x
 accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
-syntax: `precision=fp32,bf16`) or else from DEFAULT_SPACE. For every "what is computed" choice
-the planner walks the "how much is kept" choices from the cheapest (no recomputation, one
-micro-batch) up and keeps the first that fits: anything after it costs more for the same result.
+syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
+optim, the configured optimizer and the `lighter` classes its class names). For every "what is
+computed" choice the planner walks the "how much is kept" choices from the cheapest (no
+recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
+for the same result.
 
 Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
 data.batch_size / k samples (only for k that divide the batch).
@@ -31,19 +33,16 @@ from dataclasses import dataclass
 from hydra.utils import get_class
 from omegaconf import DictConfig
 
+from memexp import registry
 from memexp.build import build
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
 from memexp.result import mib
 
-# The candidates of each group when the command line names none.
-DEFAULT_SPACE = {
-    "precision": ["fp32", "bf16", "amp", "bf16_pure"],
-    "optim": None,  # the configured optimizer, plus the lighter ones its class names
-    "bn_mode": ["train", "efficient_eval"],
-    "checkpointing": ["none", "full", "offload"],
-    "optim.accumulate": ["1", "2", "4"],
-}
+# The searched groups: what is computed, then how much is kept.
+COMPUTED = ("precision", "optim", "bn_mode")
+KEPT = ("checkpointing", "optim.accumulate")
+ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
 
 @dataclass
@@ -73,7 +72,7 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
     fixed, searched = [], {}
     for argument in arguments:
         key, _, value = argument.partition("=")
-        if key in DEFAULT_SPACE:
+        if key in (*COMPUTED, *KEPT):
             searched[key] = value.split(",")
         else:
             fixed.append(argument)
@@ -83,15 +82,18 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
 def search_space(cfg: DictConfig, optim: str,
                  searched: dict[str, list[str]]) -> dict[str, list[str]]:
     space = {}
-    for group, default in DEFAULT_SPACE.items():
+    for group in (*COMPUTED, *KEPT):
         if group in searched:
             space[group] = searched[group]
         elif group == "optim":
-            space[group] = [optim, *get_class(cfg.optim._target_).lighter]
+            space[group] = [optim, *(name for lighter in get_class(cfg.optim._target_).lighter
+                                     for name in registry.options_of("optim", lighter))]
+        elif group == "optim.accumulate":
+            space[group] = ACCUMULATE
         elif group == "bn_mode" and not has_batch_norm(cfg):
-            space[group] = ["train"]
+            space[group] = [registry.baseline_option("bn_mode")]
         else:
-            space[group] = default
+            space[group] = registry.planned(group)
     return space
 
 

@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from memexp.quiet import quiet_torchao_import
+from memexp.techniques import Technique
 
 MakeOptimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -69,7 +70,7 @@ class StepInBackward:
 
 
 @dataclass(kw_only=True)
-class OptimizerChoice:
+class OptimizerChoice(Technique):
     """The keys every optim option has.
 
     accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
@@ -86,8 +87,9 @@ class OptimizerChoice:
     accumulate: int = 1
     in_backward: bool = False
     keep_grads: bool = False
-    # optim options that keep less state for the same job: what `memexp plan` also tries
-    lighter: ClassVar[tuple[str, ...]] = ()
+    # optimizer classes that keep less state for the same job: `memexp plan` also tries their
+    # options (memexp.registry.options_of)
+    lighter: ClassVar[tuple[type[OptimizerChoice], ...]] = ()
     # how it changes what is learned, or None where it keeps the math (see memexp.techniques);
     # accumulation keeps it, save for BatchNorm's statistics (bn_mode's
     # accumulation_changes_math), and so does stepping in backward
@@ -132,7 +134,6 @@ class Adam(OptimizerChoice):
              null: torch's choice (foreach on CUDA).
     """
 
-    lighter: ClassVar[tuple[str, ...]] = ("adafactor", "adamw_8bit")
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -184,7 +185,7 @@ class AdamW8bit(AdamW):
     parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
     to 32-bit AdamW, which would measure the wrong thing."""
 
-    lighter: ClassVar[tuple[str, ...]] = ()
+    lighter: ClassVar[tuple[type[OptimizerChoice], ...]] = ()
     changes_math: ClassVar[str | None] = ("AdamW's moments are kept quantized to 8 bits, "
                                           "rounded again every step")
 
@@ -210,3 +211,7 @@ class AdamW8bit(AdamW):
                 "for small optimizer state."
             ) from error
         return AdamW8bit
+
+
+# Adam's and AdamW's lighter classes, named once both are defined.
+Adam.lighter = (Adafactor, AdamW8bit)
