@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -161,8 +162,6 @@ def exit_done() -> NoReturn:
     object of every module one by one: 1.7-2.2 s with torch loaded, paid by every job of a sweep.
     A thread that is not a daemon may still be writing, so where one lives the exit is the
     ordinary one, which waits for it."""
-    import threading
-
     main = threading.main_thread()
     if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         raise SystemExit(0)

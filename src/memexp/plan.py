@@ -29,14 +29,22 @@ import itertools
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
+import torch
+from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import DictConfig
+from torch import nn
 
 from memexp import registry
-from memexp.build import build
+from memexp.app import run_config
+from memexp.build import build, build_model
+from memexp.config import config_dir
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
+from memexp.report import write_report
 from memexp.result import mib
 
 # The searched groups: what is computed, then how much is kept.
@@ -99,21 +107,12 @@ def search_space(cfg: DictConfig, optim: str,
 
 def group_choice(overrides: list[str], group: str) -> str:
     """The option of `group` that these overrides select (a model may pick its optimizer)."""
-    from hydra import compose, initialize_config_dir
-
-    from memexp.config import config_dir
-
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     return cfg.hydra.runtime.choices[group]
 
 
 def has_batch_norm(cfg: DictConfig) -> bool:
-    import torch
-    from torch import nn
-
-    from memexp.build import build_model
-
     with torch.device("meta"):  # structure only: no memory, no time
         model = build_model(cfg.model)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -244,12 +243,6 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
 def verify(arguments: list[str], plans: list[Plan], steps: int) -> str:
     """Run `plans` for real, one after another, into a plan folder (with the sweep report), and
     set each measured peak beside its estimate."""
-    from datetime import datetime
-    from pathlib import Path
-
-    from memexp.app import run_config
-    from memexp.report import write_report
-
     fixed, _ = split_arguments(arguments)
     folder = Path("outputs/plans") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     lines = [f"verified in {folder} ({steps} steps each):",

@@ -17,6 +17,9 @@ checkpoint with trainer.resume=auto), requeues it, up to `max_num_timeout` times
 memexp adds two things (see `job` and `timeout`): the signal is held back from the job's first
 line until that handler is installed, so an early one requeues instead of killing; and what the
 handler raises is recorded as status `timeout`, not as a traceback of the code it interrupted.
+
+submitit, torch and memexp's records are imported where they are used: Hydra imports every
+plugin module at each start, to discover its plugins.
 """
 
 from __future__ import annotations

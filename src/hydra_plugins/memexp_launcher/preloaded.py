@@ -42,7 +42,9 @@ import select
 import signal
 import socket
 import sys
+import threading
 
+from hydra_plugins.memexp_launcher import job
 from hydra_plugins.memexp_launcher.server import SOCKET_VARIABLE
 
 # Read after the fork, or by the job itself, never by an import: what submitit's controller
@@ -56,8 +58,6 @@ MESSAGE_BYTES = 1 << 20
 def fresh_interpreter(argv: list[str], why: str) -> None:
     """Run the job as a fresh process: replace this one with memexp's job module. The time-out
     signal stays blocked across the exec (a pending one with it), as job.py would hold it."""
-    from hydra_plugins.memexp_launcher import job
-
     print(f"memexp: this job starts a fresh interpreter: {why}", file=sys.stderr, flush=True)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PASSED_ON) - {job.timeout_signal()})
     os.execv(sys.executable, [sys.executable, "-u", "-m", job.__name__, *argv])
@@ -80,11 +80,11 @@ def client(argv: list[str]) -> None:
         fresh_interpreter(argv, f"no preloaded server answered at {path} ({error})")
     if "refused" in reply:
         fresh_interpreter(argv, reply["refused"])
-    job = reply["pid"]
+    pid = reply["pid"]
 
     def pass_on(signum, frame) -> None:
         with contextlib.suppress(ProcessLookupError):  # it ended; its status is on the way
-            os.kill(job, signum)
+            os.kill(pid, signum)
 
     for signum in PASSED_ON:
         signal.signal(signum, pass_on)
@@ -92,8 +92,8 @@ def client(argv: list[str]) -> None:
     ended = server.recv(MESSAGE_BYTES)
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # nothing left to pass them on to
     if not ended:
-        os.kill(job, signal.SIGKILL)
-        raise SystemExit(f"memexp: the preloaded server went away while job {job} ran; the job "
+        os.kill(pid, signal.SIGKILL)
+        raise SystemExit(f"memexp: the preloaded server went away while job {pid} ran; the job "
                          "was killed")
     status = json.loads(ended)["status"]
     if os.WIFSIGNALED(status):
@@ -125,8 +125,6 @@ def refusal(request: dict, own_env: dict[str, str]) -> str | None:
 def run_job(request: dict, fds: list[int]) -> None:
     """In the forked child: become the job, and never return. The server's signals are
     undone first; the time-out signal stays blocked (see job.py)."""
-    from hydra_plugins.memexp_launcher import job
-
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -149,8 +147,7 @@ def run_job(request: dict, fds: list[int]) -> None:
         # What a fresh interpreter does at its end, then the exit, whatever comes meanwhile.
         signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
         try:
-            import threading
-
+            # here: memexp.errors imports Hydra, and every job's client imports this module
             from memexp.errors import exit_now
 
             for thread in threading.enumerate():  # one that is not a daemon is waited for
@@ -162,7 +159,8 @@ def run_job(request: dict, fds: list[int]) -> None:
 
 
 def preload() -> None:
-    """What every job imports: torch and memexp's app, its trainer with it."""
+    """What every job imports: torch and memexp's app, its trainer with it. Imported here, in
+    the server, and never by the clients, which import this module too."""
     import submitit  # noqa: F401
     import torch
 
