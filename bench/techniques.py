@@ -39,8 +39,9 @@ from machine import describe_machine
 
 from memexp.config import config_dir
 from memexp.estimate import estimate
+from memexp.first_steps import first_steps
 from memexp.loggers import NoLogger
-from memexp.trainer import Trainer, first_steps
+from memexp.trainer import Trainer
 
 MIB = 2**20
 

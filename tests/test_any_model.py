@@ -16,11 +16,12 @@ from omegaconf import OmegaConf
 from test_estimate import LLAMA
 
 from memexp.app import run_config
+from memexp.build import build, build_model
 from memexp.estimate import estimate
 from memexp.loggers import NoLogger
 from memexp.models.blocks import resolve_blocks
 from memexp.result import summary
-from memexp.trainer import Trainer, build, build_model
+from memexp.trainer import Trainer
 
 from conftest import HF_BERT as BERT
 from conftest import HF_DATA, REPO, compose_train, step_memory, train
@@ -350,7 +351,7 @@ def test_model_hf_builds_beside_timm_and_its_torchvision():
     # (`operator torchvision::nms does not exist`). A new process: nothing imported before it.
     code = ("from transformers import LlamaConfig\n"
             "from memexp.estimate import compose_config\n"
-            "from memexp.trainer import build_model\n"
+            "from memexp.build import build_model\n"
             f"model = build_model(compose_config({list(LLAMA)!r}).model)\n"
             "assert isinstance(model.config, LlamaConfig)\n"
             "import timm, torchvision\n"
@@ -373,7 +374,7 @@ def test_a_hugging_face_model_builds_without_torchaos_import_noise():
     # load, no Triton, torch's Enum deprecation) are not the user's to act on.
     code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
             "from memexp.estimate import compose_config\n"
-            "from memexp.trainer import build_model\n"
+            "from memexp.build import build_model\n"
             f"build_model(compose_config({list(GPT2)!r}).model)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr

@@ -5,11 +5,13 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from hydra.core.config_store import ConfigStore
 from hydra.errors import ConfigCompositionException
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from memexp.config import GROUP_TARGETS, config_dir, target_path
+from memexp import registry
+from memexp.config import config_dir
 
 from conftest import compose_train, write_tiny_cifar10, write_tiny_mnist
 
@@ -50,7 +52,8 @@ def test_every_group_option_composes_and_instantiates(group, option, tmp_path):
     assert instantiate(node) is not None
     # The YAML names the same target as the schema it extends, so typos are caught against
     # the real constructor.
-    assert node._target_ in {target_path(t) for t in GROUP_TARGETS[group]}
+    extended = registry.options(group)[option]["defaults"][0].split("@")[0].lstrip("/")
+    assert node._target_ == ConfigStore.instance().load(f"{extended}.yaml").node._target_
 
 
 def test_custom_model_takes_any_target():

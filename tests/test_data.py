@@ -10,10 +10,11 @@ import torch
 from hydra.utils import instantiate
 from torch.utils.data import Dataset
 
+from memexp.build import build
 from memexp.data import TensorData, cifar10, mnist, synthetic_images, synthetic_tokens
 from memexp.data.readers import read_idx
 from memexp.loggers import NoLogger
-from memexp.trainer import Trainer, build
+from memexp.trainer import Trainer
 
 from conftest import compose_train, write_idx, write_tiny_cifar10, write_tiny_mnist
 

@@ -9,6 +9,7 @@ import torch
 
 from memexp import cli
 from memexp import estimate as estimate_module
+from memexp.build import build
 from memexp.config import config_dir
 from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
@@ -16,7 +17,7 @@ from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.plan import describe, plan, search_space
 from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
-from memexp.trainer import Trainer, build
+from memexp.trainer import Trainer
 
 from conftest import CPU_SMALL, HF_BERT, HF_GPT2, compose_train
 

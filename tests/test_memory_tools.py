@@ -14,9 +14,10 @@ from memexp.app import run_config
 from memexp.find_batch import probe, with_batch_size
 from memexp.loggers import NoLogger
 from memexp.memory.sizes import parse_size
+from memexp.out_of_memory import OutOfMemory
 from memexp.plots import write_plots
 from memexp.report import load_rows
-from memexp.trainer import OutOfMemory, Trainer
+from memexp.trainer import Trainer
 
 from conftest import compose_train
 

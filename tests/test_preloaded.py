@@ -23,7 +23,7 @@ import pytest
 import submitit
 
 from hydra_plugins.memexp_launcher.launcher import PRELOADED_JOB_PYTHON
-from hydra_plugins.memexp_launcher.preloaded import SOCKET_VARIABLE, PreloadedServer, start_server
+from hydra_plugins.memexp_launcher.server import SOCKET_VARIABLE, PreloadedServer, start_server
 
 from conftest import REPO, freeze, processes
 

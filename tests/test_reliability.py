@@ -21,8 +21,9 @@ from memexp.app import run_config
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.loggers import NoLogger
+from memexp.out_of_memory import OutOfMemory
 from memexp.result import record_killed
-from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer
+from memexp.trainer import NonFiniteLoss, Trainer
 
 from chaos import holding
 from conftest import (

@@ -10,14 +10,13 @@ from memexp.config import config_dir
 from memexp.memory.sizes import parse_size
 from memexp.report import (
     HALF_MARK,
-    Row,
     add_ratios,
     describe_rows,
     markdown_table,
-    pareto_front,
     pick,
     ratio_notes,
 )
+from memexp.rows import Row, pareto_front
 
 GIB = 2**30
 

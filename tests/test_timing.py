@@ -12,10 +12,10 @@ import pytest
 import torch
 from test_report import chosen_techniques, config_of, rows_of
 
+from memexp.device import free_cached_memory
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
 from memexp.timing import MachineLoad, step_timing
-from memexp.trainer import free_cached_memory
 
 from conftest import train
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from memexp.trainer import pick_device
+from memexp.device import pick_device
 
 from conftest import train
 

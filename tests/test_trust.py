@@ -26,8 +26,9 @@ from memexp.app import Job, run_config, run_job
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.data import cifar10, mnist
-from memexp.report import Row, describe_rows, markdown_table
+from memexp.report import describe_rows, markdown_table
 from memexp.result import summary
+from memexp.rows import Row
 
 from conftest import (
     CPU_SMALL,

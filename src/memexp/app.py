@@ -18,10 +18,13 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from memexp import distributed, errors, run_folder
+from memexp.build import build
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
+from memexp.device import device_name
 from memexp.find_batch import find_batch_size, set_batch_size
 from memexp.loggers import NoLogger, RunInfo
+from memexp.out_of_memory import OutOfMemory, is_out_of_memory
 from memexp.result import (
     HALF_ON_CPU,
     RECORD,
@@ -32,7 +35,7 @@ from memexp.result import (
     summary,
     write_json_atomic,
 )
-from memexp.trainer import NonFiniteLoss, OutOfMemory, Trainer, build, device_name, is_out_of_memory
+from memexp.trainer import NonFiniteLoss, Trainer
 
 log = logging.getLogger("memexp")
 

@@ -1,10 +1,11 @@
 """A run's baseline: its workload with no memory technique, what its ratios are taken against.
 
-The baseline option of precision, checkpointing and bn_mode is the class its group marks
-`baseline` (FP32, NoCheckpointing, TrainBN); accumulating k micro-batches of b samples is the
-workload of one batch of k * b. The sweep report compares each run with its workload's baseline
-run, and a run times its own baseline beside it (memexp.trainer.PairedBaseline), so that their
-time ratio sees the same machine at the same moments.
+A run's baseline resets each technique group that has a baseline option: the option whose class
+says `baseline = True` (precision's FP32, checkpointing's NoCheckpointing, bn_mode's TrainBN;
+optim and parallel have none: they are the workload). Accumulating k micro-batches of b samples
+is the workload of one batch of k * b. The sweep report compares each run with its workload's
+baseline run, and a run times its own baseline beside it (memexp.paired.PairedBaseline), so that
+their time ratio sees the same machine at the same moments.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import copy
 
 from hydra.utils import get_class
 
+from memexp import registry
 from memexp.checkpoint import fingerprint
-from memexp.config import GROUP_TARGETS, target_path
 
-BASELINE_GROUPS = ("precision", "checkpointing", "bn_mode")
+# the technique groups with a baseline option, which a run's baseline resets
+BASELINE_GROUPS = tuple(group for group in registry.techniques()
+                        if registry.baseline_option(group) is not None)
 
 # What a run's baseline may leave different from the sweep's baseline run and still take the
 # same steps: how memory is measured, how the steps are timed, and the evaluation.
@@ -25,20 +28,20 @@ NOT_THE_STEP = ("memory.", "timing.", "data.eval_batch_size", "trainer.eval_ever
 
 
 def is_baseline(config: dict) -> bool:
-    """A run whose precision, checkpointing and bn_mode are each their group's baseline."""
+    """A run whose every BASELINE_GROUPS option is its group's baseline."""
     return all(get_class(config[group]["_target_"]).baseline for group in BASELINE_GROUPS)
 
 
 def baseline_config(config: dict) -> dict | None:
-    """`config` (resolved) with precision, checkpointing and bn_mode at their baseline options and
-    its micro-batches as one batch; None where that is `config` itself."""
+    """`config` (resolved) with BASELINE_GROUPS at their baseline options and its micro-batches
+    as one batch; None where that is `config` itself."""
     accumulate = config["optim"]["accumulate"]
     if is_baseline(config) and accumulate == 1:
         return None
     base = copy.deepcopy(config)
     for group in BASELINE_GROUPS:
-        base[group] = {"_target_": target_path(next(t for t in GROUP_TARGETS[group]
-                                                     if t.baseline))}
+        option = registry.options(group)[registry.baseline_option(group)]
+        base[group] = {"_target_": option["_target_"]}
     base["data"]["batch_size"] *= accumulate
     base["optim"]["accumulate"] = 1
     return base

@@ -1,4 +1,8 @@
-"""The `memexp` command: tools around runs (training itself is `python train.py`)."""
+"""The `memexp` command: tools around runs (training itself is `python train.py`).
+
+Each subcommand imports the modules it runs where it runs: `memexp show` and `memexp report`
+then start without the schemas, the estimator and every technique they import.
+"""
 
 from __future__ import annotations
 

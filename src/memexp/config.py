@@ -4,6 +4,10 @@
 - Every group option (`conf/<group>/<name>.yaml`) extends a schema generated from the signature of
   its `_target_` (`schema/<group>/<Target>`): the constructor is the single definition of a
   technique's keys, and `model.widht=3` or `checkpointing.every=abc` fail before anything runs.
+  The groups and their targets are those conf/ names (memexp.registry).
+
+Importing this module registers the schemas: whatever composes a config imports `config_dir`
+from here.
 """
 
 from __future__ import annotations
@@ -14,15 +18,13 @@ import inspect
 import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Optional
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
-from memexp import data, loggers, loss, models
-from memexp.models import hf, timm
-from memexp.techniques import bn_mode, checkpointing, optim, parallel, precision
+from memexp import registry
+from memexp.registry import config_dir, target_path
 
 
 class Device(str, enum.Enum):
@@ -129,28 +131,6 @@ class TrainConfig:
     logger: Any = MISSING
 
 
-# The targets each group's options may name; each gets a schema `schema/<group>/<Name>`.
-GROUP_TARGETS: dict[str, tuple] = {
-    "model": (models.ResNet, models.Transformer, models.MLP, hf.hf_model, timm.timm_model),
-    "data": (data.synthetic_images, data.synthetic_tokens, data.synthetic_hf_tokens,
-             data.cifar10, data.mnist, data.dataset, data.hf_local),
-    "loss": (loss.CrossEntropy, loss.ModelLoss, loss.MSE),
-    "optim": (optim.SGD, optim.Adam, optim.AdamW, optim.Adafactor, optim.AdamW8bit),
-    "precision": (precision.FP32, precision.Autocast, precision.Pure, precision.TF32),
-    "checkpointing": (checkpointing.NoCheckpointing, checkpointing.CheckpointBlocks,
-                      checkpointing.CheckpointModules, checkpointing.CheckpointSequential,
-                      checkpointing.OffloadActivations),
-    "parallel": (parallel.NoParallel, parallel.DDP, parallel.ZeRO1, parallel.FSDP),
-    "bn_mode": (bn_mode.TrainBN, bn_mode.EvalBN, bn_mode.EfficientEvalBN, bn_mode.SyncBN,
-                bn_mode.GroupNormBN),
-    "logger": (loggers.NoLogger, loggers.CsvLogger, loggers.WandbLogger),
-}
-
-
-def target_path(target) -> str:
-    return f"{target.__module__}.{target.__qualname__}"
-
-
 def _config_type(hint):
     """The nearest type OmegaConf can validate; `Any` where it has none."""
     origin = typing.get_origin(hint)
@@ -192,18 +172,9 @@ def register() -> None:
         OmegaConf.register_new_resolver("memexp.equals", lambda a, b: a == b)
     store = ConfigStore.instance()
     store.store(name="train_schema", node=TrainConfig)
-    for group, targets in GROUP_TARGETS.items():
-        for target in targets:
+    for group in registry.groups():
+        for target in registry.targets(group):
             store.store(group=f"schema/{group}", name=target.__name__, node=schema_of(target))
-
-
-def config_dir() -> Path:
-    """`conf/` next to the package (wheel) or at the repository root (editable install)."""
-    package = Path(__file__).resolve().parent
-    for candidate in (package / "conf", package.parents[1] / "conf"):
-        if (candidate / "train.yaml").is_file():
-            return candidate
-    raise FileNotFoundError(f"memexp's conf/ folder is neither in {package} nor in the repo root")
 
 
 def option_groups() -> str:

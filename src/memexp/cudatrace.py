@@ -2,7 +2,7 @@
 
 `memexp estimate --target cuda` traces the run with a CUDA build of torch when one is
 installed (`make cuda-estimator` puts it in .venv-cuda, or name its python in
-MEMEXP_CUDA_PYTHON). The trace runs in a process of that venv (`python -m memexp.cudatrace`),
+MEMEXP_CUDA_PYTHON). The trace runs in a process of that venv (memexp.cuda_trace_process),
 under FakeTensorMode, on the fake device of memexp.fakecuda: torch then takes its CUDA code
 paths as it would on the GPU named by `--gpu` (CUDA autocast's op lists, the SDPA kernel its
 selector picks for that compute capability, cuDNN batch norm, fused optimizers, the
@@ -19,7 +19,6 @@ import json
 import math
 import os
 import subprocess
-import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -144,7 +143,7 @@ def run(config: dict, gpu: Gpu, python: Path) -> dict:
         env = {**os.environ, **fakecuda.environment(gpu, libraries, log),
                "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
         process = subprocess.run(
-            [str(python), "-m", "memexp.cudatrace", str(result_file)],
+            [str(python), "-m", "memexp.cuda_trace_process", str(result_file)],
             input=json.dumps({"config": config, "gpu": gpu.key}), text=True,
             capture_output=True, env=env)
         if process.returncode != 0:
@@ -155,39 +154,3 @@ def run(config: dict, gpu: Gpu, python: Path) -> dict:
             raise ValueError(result["error"])
         result["device"]["runtime_calls"] = fakecuda.read_log(log)
     return result
-
-
-def loaded_driver() -> list[str]:
-    """The driver libraries (libcuda.so*) mapped into this process."""
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    return sorted({line.split()[-1] for line in maps if "/libcuda.so" in line})
-
-
-def main() -> int:
-    """The trace process: config JSON on stdin, the Estimate as JSON in the file named by
-    argv[1]."""
-    from dataclasses import asdict
-
-    from omegaconf import OmegaConf
-
-    from memexp.estimate import estimate
-    from memexp.gpus import gpu
-
-    request = json.loads(sys.stdin.read())
-    output = Path(sys.argv[1])
-    try:
-        result = estimate(OmegaConf.create(request["config"]), "cuda", request["gpu"])
-    except ValueError as error:
-        output.write_text(json.dumps({"error": str(error)}))
-        return 0
-    fields = asdict(result)
-    fields["device"] = {"name": torch.cuda.get_device_name(0),
-                        "capability": list(torch.cuda.get_device_capability(0)),
-                        "driver_libraries": loaded_driver(),
-                        "gpu": gpu(request["gpu"]).name}
-    output.write_text(json.dumps(fields))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -19,6 +19,7 @@ import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import NoReturn
@@ -27,6 +28,8 @@ from hydra.errors import HydraException, MissingConfigException, OverrideParseEx
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
+
+from memexp.adapters.atexit import run_exit_handlers
 
 FULL_ERROR = "HYDRA_FULL_ERROR"
 # What a run's own checks raise about its config: a value or a path (memexp's techniques and
@@ -159,8 +162,6 @@ def exit_done() -> NoReturn:
     object of every module one by one: 1.7-2.2 s with torch loaded, paid by every job of a sweep.
     A thread that is not a daemon may still be writing, so where one lives the exit is the
     ordinary one, which waits for it."""
-    import threading
-
     main = threading.main_thread()
     if any(t is not main and not t.daemon and t.is_alive() for t in threading.enumerate()):
         raise SystemExit(0)
@@ -169,9 +170,7 @@ def exit_done() -> NoReturn:
 
 def exit_now(code: int) -> NoReturn:
     """The exit handlers, the standard streams flushed, and the end, without finalization."""
-    import atexit
-
-    atexit._run_exitfuncs()
+    run_exit_handlers()
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
     os._exit(code)

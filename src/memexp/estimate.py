@@ -69,9 +69,11 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memexp import cudatrace
+from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
 from memexp.data.tensors import Batch, Data
+from memexp.first_steps import first_steps
 from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
 from memexp.loss import as_loss
@@ -79,7 +81,7 @@ from memexp.memory.allocator import CachingAllocatorModel
 from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.techniques import check_estimable
-from memexp.trainer import Trainer, build, build_model, first_steps
+from memexp.trainer import Trainer
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 # factory ops whose values are undefined (the model's buffers are made by them: with_storage)

@@ -16,18 +16,14 @@ from dataclasses import asdict, dataclass, field
 import torch
 from omegaconf import DictConfig
 
+from memexp.build import build
+from memexp.device import device_name, free_cached_memory, pick_device
 from memexp.distributed import env_world_size
+from memexp.first_steps import first_steps
 from memexp.loggers import NoLogger
+from memexp.out_of_memory import is_out_of_memory
 from memexp.result import mib
-from memexp.trainer import (
-    Trainer,
-    build,
-    device_name,
-    first_steps,
-    free_cached_memory,
-    is_out_of_memory,
-    pick_device,
-)
+from memexp.trainer import Trainer
 
 
 @dataclass

@@ -16,7 +16,10 @@ from pathlib import Path
 from typing import Protocol
 from urllib.parse import urlparse
 
+from memexp import checkpoint, distributed, run_folder, trainer
 from memexp.atomic import atomic_file
+from memexp.report import COLUMNS, csv_record
+from memexp.result import RECORD
 
 log = logging.getLogger("memexp")
 WANDB_ID = ".wandb_run_id"  # the run's wandb id, in its run folder, for a rerun to continue
@@ -25,9 +28,6 @@ WANDB_ID = ".wandb_run_id"  # the run's wandb id, in its run folder, for a rerun
 def memexp_names() -> list[str]:
     """What memexp may keep in a run folder (files and folders), named where each is defined:
     a logger's own file must be none of them, nor inside one."""
-    from memexp import checkpoint, distributed, run_folder, trainer  # torch, so not at import
-    from memexp.result import RECORD
-
     # wandb.init(dir=<run folder>) writes in its own `wandb` folder there
     return [RECORD, run_folder.LOCK, checkpoint.FOLDER, distributed.RANKS, trainer.SNAPSHOTS,
             WANDB_ID, "wandb"]
@@ -217,7 +217,7 @@ class WandbLogger:
         return mode, why
 
     def _init(self, mode: str, run: RunInfo, **extra):
-        import wandb
+        import wandb  # seconds to import: only where a wandb run starts
 
         # wandb's own analytics follow the process's settings, not the run's: an offline run in
         # a process where WANDB_MODE=online still has them post to the server at exit, waiting
@@ -267,9 +267,7 @@ class WandbLogger:
 
     def report(self, sweep_dir: Path, report) -> None:
         """The comparison table as a wandb Table, in a `report` run of the sweep's group."""
-        import wandb
-
-        from memexp.report import COLUMNS, csv_record
+        import wandb  # seconds to import: only where a wandb run starts
 
         self.start(RunInfo(sweep_dir, {}, {}, sweep_dir.name), job_type="report",
                    tags=["report"])

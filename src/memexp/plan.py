@@ -2,9 +2,11 @@
 
 The search space is precision x optim x bn_mode ("what is computed") times checkpointing x
 accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
-syntax: `precision=fp32,bf16`) or else from DEFAULT_SPACE. For every "what is computed" choice
-the planner walks the "how much is kept" choices from the cheapest (no recomputation, one
-micro-batch) up and keeps the first that fits: anything after it costs more for the same result.
+syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
+optim, the configured optimizer and the `lighter` classes its class names). For every "what is
+computed" choice the planner walks the "how much is kept" choices from the cheapest (no
+recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
+for the same result.
 
 Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
 data.batch_size / k samples (only for k that divide the batch).
@@ -27,23 +29,28 @@ import itertools
 import shlex
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
 
+import torch
+from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
 from omegaconf import DictConfig
+from torch import nn
 
+from memexp import registry
+from memexp.app import run_config
+from memexp.build import build, build_model
+from memexp.config import config_dir
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
+from memexp.report import write_report
 from memexp.result import mib
-from memexp.trainer import build
 
-# The candidates of each group when the command line names none.
-DEFAULT_SPACE = {
-    "precision": ["fp32", "bf16", "amp", "bf16_pure"],
-    "optim": None,  # the configured optimizer, plus the lighter ones its class names
-    "bn_mode": ["train", "efficient_eval"],
-    "checkpointing": ["none", "full", "offload"],
-    "optim.accumulate": ["1", "2", "4"],
-}
+# The searched groups: what is computed, then how much is kept.
+COMPUTED = ("precision", "optim", "bn_mode")
+KEPT = ("checkpointing", "optim.accumulate")
+ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
 
 @dataclass
@@ -73,7 +80,7 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
     fixed, searched = [], {}
     for argument in arguments:
         key, _, value = argument.partition("=")
-        if key in DEFAULT_SPACE:
+        if key in (*COMPUTED, *KEPT):
             searched[key] = value.split(",")
         else:
             fixed.append(argument)
@@ -83,35 +90,29 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
 def search_space(cfg: DictConfig, optim: str,
                  searched: dict[str, list[str]]) -> dict[str, list[str]]:
     space = {}
-    for group, default in DEFAULT_SPACE.items():
+    for group in (*COMPUTED, *KEPT):
         if group in searched:
             space[group] = searched[group]
         elif group == "optim":
-            space[group] = [optim, *get_class(cfg.optim._target_).lighter]
+            space[group] = [optim, *(name for lighter in get_class(cfg.optim._target_).lighter
+                                     for name in registry.options_of("optim", lighter))]
+        elif group == "optim.accumulate":
+            space[group] = ACCUMULATE
         elif group == "bn_mode" and not has_batch_norm(cfg):
-            space[group] = ["train"]
+            space[group] = [registry.baseline_option("bn_mode")]
         else:
-            space[group] = default
+            space[group] = registry.planned(group)
     return space
 
 
 def group_choice(overrides: list[str], group: str) -> str:
     """The option of `group` that these overrides select (a model may pick its optimizer)."""
-    from hydra import compose, initialize_config_dir
-
-    from memexp.config import config_dir
-
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
     return cfg.hydra.runtime.choices[group]
 
 
 def has_batch_norm(cfg: DictConfig) -> bool:
-    import torch
-    from torch import nn
-
-    from memexp.trainer import build_model
-
     with torch.device("meta"):  # structure only: no memory, no time
         model = build_model(cfg.model)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
@@ -242,12 +243,6 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
 def verify(arguments: list[str], plans: list[Plan], steps: int) -> str:
     """Run `plans` for real, one after another, into a plan folder (with the sweep report), and
     set each measured peak beside its estimate."""
-    from datetime import datetime
-    from pathlib import Path
-
-    from memexp.app import run_config
-    from memexp.report import write_report
-
     fixed, _ = split_arguments(arguments)
     folder = Path("outputs/plans") / datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     lines = [f"verified in {folder} ({steps} steps each):",

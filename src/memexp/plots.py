@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from textwrap import shorten
 
-from memexp.report import MIB, Row, pareto_front, speed
 from memexp.result import CATEGORY_ORDER, category_color, error_message
+from memexp.rows import MIB, Row, pareto_front, speed
 
 DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
 LOG_SPAN = 10  # a value axis whose largest value is more than this times its smallest is log

@@ -32,9 +32,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from memexp import run_folder
 from memexp.atomic import atomic_file
-from memexp.baseline import BASELINE_GROUPS, baseline_config, is_baseline, same_steps
+from memexp.baseline import BASELINE_GROUPS, is_baseline
 from memexp.checkpoint import is_run_length_key
 from memexp.memory.sizes import parse_size
+from memexp.plots import write_plots
 from memexp.result import (
     CATEGORY_ORDER,
     GROUPS,
@@ -47,94 +48,15 @@ from memexp.result import (
     mib,
     printable,
 )
+from memexp.rows import MIB, Row, speed, speed_range
 
 log = logging.getLogger("memexp")
-MIB = 2**20
 HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
 
 
 def is_technique_key(key: str) -> bool:
     key = key.lstrip("+~")
     return key.split(".")[0] in (*GROUPS, "memory", "timing") or key == "model.inplace"
-
-
-@dataclass
-class Row:
-    job: str
-    result: dict
-    label: str = ""
-    workload: tuple = ()
-    memory_ratio: float | None = None
-    step_time_ratio: float | None = None
-    # the ratio's range from the interquartile ranges: (row's q1 / base's q3, q3 / q1)
-    step_time_range: tuple[float, float] | None = None
-    # why the time ratio cannot be trusted, if it cannot
-    time_doubt: str | None = None
-    # True: the ratio was timed beside its baseline in the run's process; False: it divides the
-    # medians of two runs; None: the row is the base, or has no ratio
-    time_paired: bool | None = None
-    # the row its time ratio is against
-    time_base: Row | None = field(default=None, repr=False, compare=False)
-    # why it is the base of its workload's ratios without the baseline options, if it is
-    stand_in_base: str | None = None
-
-    @property
-    def status(self) -> str:
-        return self.result.get("status", "unknown")
-
-    @property
-    def memory(self) -> dict:
-        return self.result.get("memory") or {}
-
-    @property
-    def metrics(self) -> dict:
-        return self.result.get("metrics") or {}
-
-    @property
-    def peak(self) -> int | None:
-        return self.memory.get("peak_bytes")
-
-    @property
-    def device_peak(self) -> int | None:
-        """What must fit on the device: reserved memory on CUDA, live bytes elsewhere."""
-        return self.memory.get("reserved_peak_bytes") or self.peak
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok" and self.peak is not None
-
-    @property
-    def step_time(self) -> StepTime | None:
-        """The step time taken with the tracker off, with its spread; None if there is none."""
-        timing = self.metrics.get("timing")
-        if self.status != "ok" or not self.metrics.get("step_time_s"):
-            return None
-        if timing is None:  # written before memexp.timing: untracked only with track=false
-            median = self.metrics["step_time_s"]
-            return None if self.memory.get("tracked") else StepTime(median, median, median)
-        if timing["tracked"]:
-            return None
-        return StepTime(timing["step_time_s"], *timing["step_time_iqr_s"], busy=timing["busy"],
-                        beside=timing.get("beside_baseline", False))
-
-    def paired_with(self, base: Row) -> dict | None:
-        """The run's time against its baseline, timed beside it (memexp.timing), where that
-        baseline takes the steps `base` took; else None."""
-        paired = (self.metrics.get("timing") or {}).get("paired") or {}
-        if "ratio" not in paired:
-            return None
-        mine = baseline_config(self.result["config"])
-        return paired if mine is not None and same_steps(mine, base.result["config"]) else None
-
-
-@dataclass
-class StepTime:
-    median: float
-    q1: float
-    q3: float
-    busy: bool = False  # other processes took more than memexp.timing.BUSY_SHARE of the machine
-    # every timed step ran beside the run's baseline, which slows a step (memexp.timing)
-    beside: bool = False
 
 
 def job_folders(sweep_dir: Path) -> list[Path]:
@@ -277,17 +199,6 @@ def add_time_ratio(row: Row, base: Row) -> None:
         row.time_doubt = "its spread overlaps 1.0"
 
 
-def pareto_front(points: list[tuple[float, float]]) -> list[int]:
-    """Indices of the points no other point beats on both: lower x (memory), higher y."""
-    front = []
-    for i, (x, y) in enumerate(points):
-        beaten = any((ox <= x and oy >= y) and (ox < x or oy > y)
-                     for j, (ox, oy) in enumerate(points) if j != i)
-        if not beaten:
-            front.append(i)
-    return sorted(front, key=lambda i: points[i][0])
-
-
 @dataclass
 class BudgetPick:
     budget: int
@@ -296,31 +207,6 @@ class BudgetPick:
     # why no fastest is named although configs fit
     fastest_doubt: str | None = None
     most_accurate: Row | None = None
-
-
-def speed_range(row: Row, rows: list[Row]) -> tuple[float, float, float] | None:
-    """(low, median, high) speed of an untracked step: throughput where the sweep has one
-    unit (for a ratio timed beside the baseline, the base's over that ratio), otherwise speed
-    against the row's baseline; None without an untracked step time."""
-    time = row.step_time
-    units = {r.metrics.get("throughput_unit") for r in rows if r.ok}
-    if time is None:
-        return None
-    if len(units) == 1 and row.time_paired:  # the base's speed over the ratio timed beside it
-        base, (low, high) = row.time_base.metrics["throughput"], row.step_time_range
-        return base / high, base / row.step_time_ratio, base / low
-    if len(units) == 1:
-        items = row.metrics["throughput"] * time.median  # per step
-        return items / time.q3, items / time.median, items / time.q1
-    if row.step_time_ratio is None:
-        return None
-    low, high = row.step_time_range
-    return 1 / high, 1 / row.step_time_ratio, 1 / low
-
-
-def speed(row: Row, rows: list[Row]) -> float | None:
-    found = speed_range(row, rows)
-    return found[1] if found else None
 
 
 def pick(rows: list[Row], budget: int) -> BudgetPick:
@@ -474,8 +360,6 @@ def budget_lines(choice: BudgetPick, rows: list[Row]) -> list[str]:
 
 
 def plot(rows: list[Row], sweep_dir: Path) -> list[Path]:
-    from memexp.plots import write_plots  # matplotlib only when there is something to draw
-
     return [chart.path for chart in write_plots(rows, sweep_dir)]
 
 

@@ -21,10 +21,12 @@ from pathlib import Path
 
 import torch
 
+from memexp import registry
 from memexp.atomic import atomic_file
 from memexp.models.hf import load_warnings
 
-GROUPS = ("precision", "checkpointing", "optim", "parallel", "bn_mode")
+# the technique groups, as the root config lists them (memexp.registry)
+GROUPS = registry.techniques()
 CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
 
 

@@ -101,7 +101,7 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 def paired_timing(step_times: list[float], untracked: list[int], baseline_times: list[list],
                   unpaired: str | None) -> dict:
     """The run's time against its baseline's, from the untracked steps past warm-up that ran
-    beside one of the baseline's steps (memexp.trainer.PairedBaseline): the median of the
+    beside one of the baseline's steps (memexp.paired.PairedBaseline): the median of the
     step-by-step ratios and their interquartile range; else why there is none."""
     candidates = set(untracked)
     pairs = {step: seconds for step, seconds in baseline_times if step in candidates}

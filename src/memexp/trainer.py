@@ -1,38 +1,42 @@
-"""The trainer: builds one run from a composed config, applies the techniques, trains, measures."""
+"""The trainer: builds one run from a composed config, applies the techniques, trains, measures.
+
+What other modules share with it lives beside it: building options (memexp.build), the device
+(memexp.device), running out of memory (memexp.out_of_memory), the run's first steps
+(memexp.first_steps) and the baseline timed beside the run (memexp.paired)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import itertools
 import logging
 import math
 import random
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
-from hydra.errors import InstantiationException
-from hydra.utils import instantiate
-from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf import DictConfig, OmegaConf
 from torch import Tensor, nn
 from tqdm import tqdm
 
 from memexp import checkpoint
 from memexp.baseline import BASELINE_GROUPS, baseline_config
+from memexp.build import build, build_model
 from memexp.data import Batch, Data
 from memexp.data.tensors import IGNORE, map_batch, map_inputs
+from memexp.device import free_cached_memory, pick_device
 from memexp.errors import abbreviated
 from memexp.loss import Outputs, as_loss, call_model, shares
 from memexp.memory import MemoryMeter
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
 from memexp.models import LOADED
+from memexp.out_of_memory import OutOfMemory, is_out_of_memory
+from memexp.paired import PairedBaseline, Unpaired
 from memexp.prechecks import FirstForward, check_loss, check_reached, check_signature
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination
@@ -42,77 +46,9 @@ log = logging.getLogger("memexp")
 SNAPSHOTS = "memory"  # memory.snapshot's files, in the run folder
 
 
-def pick_device(requested: str) -> torch.device:
-    if requested == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if requested == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            "trainer.device=cuda, but this process sees no CUDA device "
-            f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None}). "
-            "Use trainer.device=cpu or trainer.device=auto."
-        )
-    return torch.device(requested)
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def build(node: DictConfig):
-    """instantiate(node). memexp's own checks of a value or a path (ValueError,
-    FileNotFoundError) already name the key and what to do: they come out as they are, not
-    inside Hydra's wrapper."""
-    try:
-        return instantiate(node)
-    except InstantiationException as error:
-        if isinstance(error.__cause__, (ValueError, FileNotFoundError)):
-            raise error.__cause__ from None
-        raise
-
-
-def build_model(node: DictConfig) -> nn.Module:
-    """The model, or an error whose first line says why not: the class could not be imported,
-    Hydra refused the target, or the constructor raised (its own error, and the keys given)."""
-    try:
-        return build(node)
-    except InstantiationException as error:
-        root, keys = error, sorted(k for k in node if k != "_target_")
-        while root.__cause__ is not None:
-            root = root.__cause__
-        hint = ("\nFor your own model use `model=custom model._target_=pkg.Class` and give its "
-                "arguments as +model.<key>=...")
-        if isinstance(root, ImportError):
-            why = f"cannot be imported ({type(root).__name__}: {root}){hint}"
-        elif root is error:  # Hydra refused the target itself
-            why = " ".join(line for line in str(error).splitlines()
-                           if not line.startswith("full_key:"))
-        else:
-            why = f"raised {type(root).__name__}: {root} (given the keys {keys})"
-            why += hint if isinstance(root, TypeError) else ""
-        raise InstantiationException(f"model._target_={node._target_}: {why}") from error
-
-
-class OutOfMemory(RuntimeError):
-    """The run ran out of memory in `phase` at `step`; what it reached is in the meter."""
-
-    def __init__(self, message: str, phase: str | None, step: int):
-        super().__init__(message)
-        self.phase, self.step = phase, step
-
-    def __reduce__(self):  # picklable with its fields (submitit sends a job's error back)
-        return type(self), (self.args[0], self.phase, self.step)
-
-
 class NonFiniteLoss(RuntimeError):
     """The run diverged (status `nan`): trainer.max_bad_steps steps had a NaN or infinite loss or
     gradients (none of which touched the weights), or its final weights are not finite."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """CUDA's OutOfMemoryError (memory.budget's too), the CPU allocator's failure (a plain
-    RuntimeError), or a run that ended on either (OutOfMemory)."""
-    return isinstance(error, (torch.OutOfMemoryError, OutOfMemory)) or (
-        isinstance(error, RuntimeError) and "can't allocate memory" in str(error))
 
 
 def validate(trainer: DictConfig) -> None:
@@ -131,19 +67,6 @@ def validate(trainer: DictConfig) -> None:
 def memory_budget(memory: DictConfig) -> int | None:
     """memory.budget in bytes, or None."""
     return None if memory.budget is None else parse_size(memory.budget, "memory.budget")
-
-
-def first_steps(cfg: DictConfig) -> DictConfig:
-    """`cfg` cut to its first two steps (step 2 is the first with optimizer state alive) and
-    an evaluation, writing nothing and timing no baseline: what estimates and batch-size probes
-    run."""
-    short = cfg.copy()
-    with open_dict(short):
-        short.trainer.update(max_steps=2, eval_every=0, checkpoint_every=0, resume="never",
-                             progress=False)
-        short.memory.update(snapshot=False, measure_steps=None)
-        short.timing.paired_steps = 0
-    return short
 
 
 def snapshot_folder(memory: DictConfig, run_dir: Path | None) -> Path | None:
@@ -192,26 +115,6 @@ def nothing_to_wait_for() -> None:
     """A CPU's ops have ended when they return."""
 
 
-def free_cached_memory(device: torch.device) -> None:
-    """Collect what is unreachable and give the device's cached blocks back."""
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-@contextmanager
-def random_state_kept(device: torch.device) -> Iterator[None]:
-    """What runs inside leaves the process's random state (torch's, the device's, Python's,
-    numpy's) as it found it."""
-    state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            yield
-    finally:
-        random.setstate(state)
-        np.random.set_state(numpy_state)
-
-
 def numpy_random_state() -> dict:
     """numpy's global random state, as a checkpoint loaded with weights_only holds it (its key
     as a tensor)."""
@@ -223,95 +126,6 @@ def numpy_random_state() -> dict:
 def set_numpy_random_state(state: dict) -> None:
     key = state["state"]["key"].numpy().astype(np.uint32)
     np.random.set_state({**state, "state": {**state["state"], "key": key}})
-
-
-class Unpaired:
-    """No baseline beside the run's steps; `why` says why not."""
-
-    holds_memory = False
-
-    def __init__(self, why: str):
-        self.why = why
-
-    def beside(self, step: int) -> AbstractContextManager:
-        return nullcontext()
-
-
-class PairedBaseline:
-    """The run's baseline (memexp.baseline), built in the run's process once its memory is
-    measured. Each of the run's next `steps` steps runs beside a step of the baseline's, the
-    baseline first on even steps and second on odd ones, so that their times see the same
-    machine at the same moments; the baseline's go to `times` as [step, seconds]. Neither
-    touches the other's random state: the run's losses and weights are those it has alone.
-    A baseline that fails (runs out of memory beside the run), or would leave the run too
-    little of the device, is dropped, and `why` says why. The run's `meter` counts nothing while
-    the baseline holds memory, and again once it is gone."""
-
-    def __init__(self, config: dict, steps: int, times: list[list], meter: MemoryMeter):
-        self.steps, self.times, self.why, self.meter = steps, times, None, meter
-        self.trainer: Trainer | None = None
-        self.dropped = False
-        cfg = OmegaConf.create(config)
-        self.device = pick_device(cfg.trainer.device)
-        cfg.trainer.update(checkpoint_every=0, resume="never", progress=False, eval_every=0)
-        cfg.memory.update(track=False, budget=None, snapshot=False, measure_steps=None)
-        self._run(lambda: self._build(cfg))
-
-    def _build(self, cfg: DictConfig) -> None:
-        # Trainer() seeds torch: the run's own random state is put back afterwards.
-        with random_state_kept(self.device):
-            self.trainer = Trainer(cfg)
-            self.trainer.meter.count_nothing()  # as the run's steps beside it count nothing
-            self.batches = self.trainer.data.train_batches()
-            self.trainer.model.train()
-            # Its first steps allocate what later ones reuse, as the run's did: not timed.
-            for _ in range(max(cfg.trainer.warmup_steps, 2)):
-                self.trainer.train_step(self.batches)
-        crowded = self.meter.crowded()
-        if crowded is not None:
-            self.why = f"the baseline was dropped before its first timed step: {crowded}"
-
-    @contextmanager
-    def beside(self, step: int) -> Iterator[None]:
-        """The baseline's step before or after the block, by turns."""
-        first = step % 2 == 0
-        if first:
-            self._run(lambda: self._step(step))
-        yield
-        if not first:
-            self._run(lambda: self._step(step))
-
-    def _step(self, step: int) -> None:
-        if self.dropped:
-            return
-        with random_state_kept(self.device):
-            started = time.perf_counter()
-            self.trainer.train_step(self.batches)
-            self.times.append([step, time.perf_counter() - started])
-        self.steps -= 1
-        if self.steps == 0:
-            self._drop()
-
-    def _run(self, work) -> None:
-        try:
-            work()
-        except Exception as error:  # the run's own measurements stand; the pairing does not
-            what = "ran out of memory" if is_out_of_memory(error) else "failed"
-            first_line = (str(error).strip().splitlines() or [""])[0]
-            self.why = f"the baseline {what} beside the run: {type(error).__name__}: {first_line}"
-        if self.why is not None and not self.dropped:
-            log.warning("timing: %s; the step time ratio is left to the report", self.why)
-            self._drop()  # outside the except block: the error's frames no longer hold tensors
-
-    @property
-    def holds_memory(self) -> bool:
-        return not self.dropped
-
-    def _drop(self) -> None:
-        self.trainer = self.batches = None
-        self.dropped = True
-        free_cached_memory(self.device)
-        self.meter.resume_counting()
 
 
 class Trainer:
@@ -646,7 +460,8 @@ class Trainer:
         log.info("timing: %d steps run beside the run's baseline (%s at their baseline options, "
                  "data.batch_size=%s, optim.accumulate=1), built in this process",
                  steps, ", ".join(BASELINE_GROUPS), config["data"]["batch_size"])
-        return PairedBaseline(config, steps, self.metrics.baseline_step_times, self.meter)
+        return PairedBaseline(config, steps, self.metrics.baseline_step_times, self.meter,
+                              Trainer)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:

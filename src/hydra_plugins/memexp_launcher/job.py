@@ -16,6 +16,8 @@ import os
 import signal
 import sys
 
+from memexp.adapters import submitit as submitit_private
+
 
 def timeout_signal() -> signal.Signals:
     """submitit's time-out and preemption signal."""
@@ -35,13 +37,7 @@ def main(argv: list[str]) -> None:
     # Threads started from here on inherit the blocked signal; let_in() unblocks it in the main
     # thread, the one where Python runs signal handlers.
     hold_back()
-    if argv[:3] != ["-u", "-m", "submitit.core._submit"] or len(argv) != 4:
-        raise SystemExit(f"usage: python -m {__spec__.name} -u -m submitit.core._submit FOLDER "
-                         f"(submitit appends these); got {argv}")
-    import runpy
-
-    sys.argv = [argv[2], argv[3]]
-    runpy.run_module(argv[2], run_name="__main__", alter_sys=True)
+    submitit_private.run_entry(submitit_private.job_folder(argv, __spec__.name))
     # submitit has written the job's result: what is left is the interpreter's finalization.
     from memexp.errors import exit_done
 

@@ -17,6 +17,9 @@ checkpoint with trainer.resume=auto), requeues it, up to `max_num_timeout` times
 memexp adds two things (see `job` and `timeout`): the signal is held back from the job's first
 line until that handler is installed, so an early one requeues instead of killing; and what the
 handler raises is recorded as status `timeout`, not as a traceback of the code it interrupted.
+
+submitit, torch and memexp's records are imported where they are used: Hydra imports every
+plugin module at each start, to discover its plugins.
 """
 
 from __future__ import annotations
@@ -31,7 +34,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hydra._internal.config_repository import IConfigRepository
 from hydra.core.object_type import ObjectType
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
@@ -39,7 +41,9 @@ from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
 from hydra_plugins.hydra_submitit_launcher.submitit_launcher import BaseSubmititLauncher
 from omegaconf import DictConfig, OmegaConf, open_dict
 
-from hydra_plugins.memexp_launcher import preloaded
+from hydra_plugins.memexp_launcher import server
+from memexp.adapters import hydra as hydra_private
+from memexp.adapters.hydra import IConfigRepository
 
 log = logging.getLogger(__name__)
 
@@ -49,8 +53,7 @@ NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "ar
 # submitit's <python> for every job: the job module holds the time-out signal back first.
 JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
 # The same job, forked from a server that has imported torch and memexp (see preloaded).
-PRELOADED_JOB_PYTHON = (f"{shlex.quote(sys.executable)} -u -m "
-                        "hydra_plugins.memexp_launcher.preloaded")
+PRELOADED_JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m {server.SERVER_MODULE}"
 
 
 class SweepRepository(IConfigRepository):
@@ -110,7 +113,7 @@ class ComposedOnce:
     def __init__(self, loader):
         self._loader = loader
         self._composed: dict[tuple, DictConfig] = {}
-        loader.repository = SweepRepository(loader.repository)
+        hydra_private.wrap_repository(loader, SweepRepository)
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]):
         key = (id(master_config), tuple(sweep_overrides))
@@ -138,12 +141,11 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
         # The sweeper holds the same context, and checks each batch with its loader next.
-        if not isinstance(hydra_context.config_loader, ComposedOnce):
-            hydra_context.config_loader = ComposedOnce(hydra_context.config_loader)
+        hydra_private.replace_loader(hydra_context, ComposedOnce)
         # train.py started a preloaded server for any sweep (-m); only local jobs use one.
-        self._server = self._preloaded_server(preloaded.take_early())
+        self._server = self._preloaded_server(server.take_early())
 
-    def _preloaded_server(self, early: preloaded.PreloadedServer | preloaded.NoServer | None):
+    def _preloaded_server(self, early: server.PreloadedServer | server.NoServer | None):
         """The server this launcher's first batch of jobs is forked from: none here."""
         if early is not None:
             early.discard()
@@ -302,23 +304,23 @@ def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
 class LocalLauncher(_SurvivingLauncher):
     _EXECUTOR = "local"
 
-    def _preloaded_server(self, early: preloaded.PreloadedServer | preloaded.NoServer | None):
+    def _preloaded_server(self, early: server.PreloadedServer | server.NoServer | None):
         # train.py's, or one started now: either imports while Hydra's sweeper composes every
         # job's config (its check of the batch, before the launch).
         if not self.params["preload"]:
             return super()._preloaded_server(early)
-        return early or preloaded.start_server()
+        return early or server.start_server()
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         if not self.params["preload"]:
             return super().launch(job_overrides, initial_job_idx)
         # setup's server serves the first batch; a later batch (hydra.sweeper.max_batch_size)
         # starts its own. None is left on the launcher, which each job gets pickled.
-        server, self._server = self._server or preloaded.start_server(), None
+        running, self._server = self._server or server.start_server(), None
         try:
             return super().launch(job_overrides, initial_job_idx)
         finally:
-            server.close()
+            running.close()
 
     def _executor(self, submitit):
         # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a

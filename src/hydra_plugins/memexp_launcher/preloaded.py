@@ -23,19 +23,18 @@ the job's environment differs from the server's beyond submitit's own variables:
 read when it was imported would be wrong for the job.
 
 The server: `python -u -m hydra_plugins.memexp_launcher.preloaded --serve SOCKET FD`, its stdin
-a pipe from the launcher. The process that starts it binds SOCKET and hands it the listening
-socket as FD, so that a job that comes before the server is ready waits for it in the socket's
-queue instead of finding no socket. It stops taking jobs when that pipe closes (the sweep
-ended, or its process died), and exits once its running jobs have ended. Its loop runs in one
-thread, and no other Python thread runs there, so a fork never copies a lock one of them holds
-(torch's import leaves one idle native thread; a fork copies only the thread that forks).
+a pipe from the launcher, which starts and stops it through memexp_launcher.server. The process
+that starts it binds SOCKET and hands it the listening socket as FD, so that a job that comes
+before the server is ready waits for it in the socket's queue instead of finding no socket. It
+stops taking jobs when that pipe closes (the sweep ended, or its process died), and exits once
+its running jobs have ended. Its loop runs in one thread, and no other Python thread runs there,
+so a fork never copies a lock one of them holds (torch's import leaves one idle native thread; a
+fork copies only the thread that forks).
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import fcntl
 import gc
 import json
 import os
@@ -43,8 +42,11 @@ import select
 import signal
 import socket
 import sys
+import threading
 
-SOCKET_VARIABLE = "MEMEXP_PRELOADED_SOCKET"
+from hydra_plugins.memexp_launcher import job
+from hydra_plugins.memexp_launcher.server import SOCKET_VARIABLE
+
 # Read after the fork, or by the job itself, never by an import: what submitit's controller
 # sets for each task, and what memexp's main sets around Hydra's (memexp.errors.main).
 JOB_OWN_VARIABLES = ("SUBMITIT_", "CUDA_VISIBLE_DEVICES", "HYDRA_FULL_ERROR")
@@ -53,126 +55,9 @@ PASSED_ON = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signa
 MESSAGE_BYTES = 1 << 20
 
 
-class PreloadedServer:
-    """A sweep's server, for the jobs submitted while it runs: they find it through the
-    environment they inherit. `close()`: it takes no more jobs (its stdin closes), and ends when
-    its last one does. `discard()`: it is killed (and a job it forked, by that job's client).
-    One never closed (the sweep stopped before its launch: a config that does not compose,
-    Ctrl-C) is discarded when the process exits, so that it holds neither the sweep's output
-    nor its folder."""
-
-    def __init__(self):
-        # here, not at the top: every job's client imports this module, and stays small
-        import subprocess
-        import tempfile
-
-        self._folder = tempfile.TemporaryDirectory(prefix="memexp-")  # only this user's
-        path = os.path.join(self._folder.name, "preloaded.socket")
-        # set before the server starts: it compares each job's environment with its own
-        os.environ[SOCKET_VARIABLE] = path
-        try:
-            with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as listener:
-                listener.bind(path)
-                listener.listen(64)  # jobs that come while the server imports wait here
-                # above 2: the child's stdin, stdout and stderr are set over 0-2 (a process
-                # started with its stdin closed could have the socket there)
-                handed = fcntl.fcntl(listener.fileno(), fcntl.F_DUPFD_CLOEXEC, 3)
-                try:
-                    # os.environ, as submitit gives its jobs: what C code set since (torch's
-                    # import sets COLUMNS and LINES without a terminal) is not in it
-                    self._process = subprocess.Popen(
-                        [sys.executable, "-u", "-m", __spec__.name, "--serve", path,
-                         str(handed)], pass_fds=[handed], stdin=subprocess.PIPE,
-                        env=dict(os.environ))
-                finally:
-                    os.close(handed)
-        except OSError:
-            del os.environ[SOCKET_VARIABLE]
-            self._folder.cleanup()
-            raise
-        self._closed = False
-        atexit.register(self.discard)
-
-    @property
-    def pid(self) -> int:
-        return self._process.pid
-
-    def close(self) -> None:
-        import logging
-        import subprocess
-
-        if self._closed:
-            return
-        self._closed = True
-        os.environ.pop(SOCKET_VARIABLE, None)
-        try:
-            self._process.stdin.close()
-            self._process.wait(timeout=30)
-        except subprocess.TimeoutExpired:  # jobs left running (the sweep was stopped)
-            logging.getLogger(__name__).warning(
-                f"the preloaded server (pid {self.pid}) still serves running jobs; it "
-                "ends when they do")
-        finally:
-            self._folder.cleanup()
-
-    def discard(self) -> None:
-        if not self._closed:
-            self._process.kill()
-            self.close()
-
-
-class NoServer:
-    """Where a server could not start: the jobs start fresh interpreters (SOCKET_VARIABLE is
-    not set), and there is nothing to close."""
-
-    def close(self) -> None:
-        pass
-
-    def discard(self) -> None:
-        pass
-
-
-def start_server() -> PreloadedServer | NoServer:
-    """A new server, or NoServer, with a warning, where none can start: its socket could not be
-    bound (a TMPDIR too long for a socket's path, a full disk), or the process not started.
-    A sweep goes on without it, as it would with hydra.launcher.preload=false."""
-    try:
-        return PreloadedServer()
-    except OSError as error:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            f"memexp: no preloaded server ({error}); each job starts a fresh interpreter")
-        return NoServer()
-
-
-# The server train.py started before its own imports (start_early), until a launcher takes it.
-# Hydra's plugin scan runs this module's code again, in the same module: it is kept.
-_early: PreloadedServer | NoServer | None = globals().get("_early")
-
-
-def start_early(argv: list[str]) -> None:
-    """train.py's first step where its command line asks for a sweep (-m): start the sweep's
-    server now, so that it imports torch beside this process instead of after it (seconds
-    sooner to the first job on 2 cores). The launcher takes it at its set-up (`take_early`).
-    A sweep that uses none (hydra/launcher=slurm, hydra.launcher.preload=false) discards it
-    there; one that ends before (--help, a config that does not compose), at its exit."""
-    global _early
-    if _early is None and {"-m", "--multirun"} & set(argv):
-        _early = start_server()
-
-
-def take_early() -> PreloadedServer | NoServer | None:
-    global _early
-    server, _early = _early, None
-    return server
-
-
 def fresh_interpreter(argv: list[str], why: str) -> None:
     """Run the job as a fresh process: replace this one with memexp's job module. The time-out
     signal stays blocked across the exec (a pending one with it), as job.py would hold it."""
-    from hydra_plugins.memexp_launcher import job
-
     print(f"memexp: this job starts a fresh interpreter: {why}", file=sys.stderr, flush=True)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, set(PASSED_ON) - {job.timeout_signal()})
     os.execv(sys.executable, [sys.executable, "-u", "-m", job.__name__, *argv])
@@ -195,11 +80,11 @@ def client(argv: list[str]) -> None:
         fresh_interpreter(argv, f"no preloaded server answered at {path} ({error})")
     if "refused" in reply:
         fresh_interpreter(argv, reply["refused"])
-    job = reply["pid"]
+    pid = reply["pid"]
 
     def pass_on(signum, frame) -> None:
         with contextlib.suppress(ProcessLookupError):  # it ended; its status is on the way
-            os.kill(job, signum)
+            os.kill(pid, signum)
 
     for signum in PASSED_ON:
         signal.signal(signum, pass_on)
@@ -207,8 +92,8 @@ def client(argv: list[str]) -> None:
     ended = server.recv(MESSAGE_BYTES)
     signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)  # nothing left to pass them on to
     if not ended:
-        os.kill(job, signal.SIGKILL)
-        raise SystemExit(f"memexp: the preloaded server went away while job {job} ran; the job "
+        os.kill(pid, signal.SIGKILL)
+        raise SystemExit(f"memexp: the preloaded server went away while job {pid} ran; the job "
                          "was killed")
     status = json.loads(ended)["status"]
     if os.WIFSIGNALED(status):
@@ -240,8 +125,6 @@ def refusal(request: dict, own_env: dict[str, str]) -> str | None:
 def run_job(request: dict, fds: list[int]) -> None:
     """In the forked child: become the job, and never return. The server's signals are
     undone first; the time-out signal stays blocked (see job.py)."""
-    from hydra_plugins.memexp_launcher import job
-
     code = 1
     try:
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -264,8 +147,7 @@ def run_job(request: dict, fds: list[int]) -> None:
         # What a fresh interpreter does at its end, then the exit, whatever comes meanwhile.
         signal.pthread_sigmask(signal.SIG_BLOCK, PASSED_ON)
         try:
-            import threading
-
+            # here: memexp.errors imports Hydra, and every job's client imports this module
             from memexp.errors import exit_now
 
             for thread in threading.enumerate():  # one that is not a daemon is waited for
@@ -277,7 +159,8 @@ def run_job(request: dict, fds: list[int]) -> None:
 
 
 def preload() -> None:
-    """What every job imports: torch and memexp's app, its trainer with it."""
+    """What every job imports: torch and memexp's app, its trainer with it. Imported here, in
+    the server, and never by the clients, which import this module too."""
     import submitit  # noqa: F401
     import torch
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from memexp.data.tensors import IGNORE, LABELS, Batch, BatchSize, Columns, Split, TensorData
+from memexp.models.hf import check_choice, hf_config
 
 
 def synthetic_images(
@@ -191,8 +192,6 @@ def model_config(model: dict | None, task: str):
     here (the data is built first) as the model's build would refuse them."""
     if not model or model.get("arch") is None:
         return None
-    from memexp.models.hf import check_choice, hf_config
-
     check_choice(model["arch"], task)
     return hf_config(model["arch"], model.get("config"), model.get("config_extra"),
                      model.get("pretrained"))

@@ -297,7 +297,7 @@ class MemoryMeter:
 
     def count_nothing(self) -> None:
         """Measure nothing from here on, CUDA's counters included: a baseline timed beside a run
-        (memexp.trainer.PairedBaseline) then pays for no counting the run's steps do not."""
+        (memexp.paired.PairedBaseline) then pays for no counting the run's steps do not."""
         self.pause()
         if self.counters is not None:
             self.counters.stop()

@@ -27,9 +27,12 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import ClassVar
 
 import torch
 from torch import nn
+
+from memexp.models.blocks import Blocks
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -41,6 +44,23 @@ def model_device(model: nn.Module) -> torch.device:
 
 # What an option changed when it changed nothing (a shared, read-only mapping).
 NOTHING: Mapping[str, nn.Module] = MappingProxyType({})
+
+
+class Technique:
+    """What every technique option says of itself, by default as a class that changes nothing;
+    an option that resolves blocks or changes modules sets `found` and `changed` as it applies
+    itself."""
+
+    # the blocks it resolved (memexp.models.blocks), if it resolves any
+    found: Blocks | None = None
+    # the modules it changed, by name: each must run in the first forward pass
+    # (memexp.prechecks.FirstForward)
+    changed: Mapping[str, nn.Module] = NOTHING
+    # the option of its group that a run's baseline takes (memexp.baseline): one a group
+    baseline: ClassVar[bool] = False
+    # the arguments `memexp plan` tries the class with, each matched against its options' YAML
+    # (memexp.registry.planned): () none of them, ({},) every one
+    planned: ClassVar[tuple[Mapping[str, object], ...]] = ()
 
 
 def check_combination(precision, optim, parallel, bn_mode, device: torch.device,

@@ -27,7 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from memexp.models.blocks import replace_module, resolve_blocks
-from memexp.techniques import NOTHING
+from memexp.techniques import Technique
 
 log = logging.getLogger("memexp")
 
@@ -59,12 +59,11 @@ def _no_batchnorm(option: str, model: nn.Module) -> None:
 
 
 @dataclass
-class TrainBN:
+class TrainBN(Technique):
     """BatchNorm as PyTorch defines it: batch statistics, running statistics updated."""
 
-    found = None
-    changed = NOTHING
     baseline = True
+    planned = ({},)
     needs_process_group = False
     changes_math = None  # see memexp.techniques
     accumulation_changes_math = (
@@ -76,13 +75,10 @@ class TrainBN:
 
 
 @dataclass
-class EvalBN:
+class EvalBN(Technique):
     """Running statistics frozen, affine weight and bias still trained: the usual transfer-learning
     setting (MMDetection's `norm_eval`, the paper's "Eval" mode)."""
 
-    found = None
-    changed = NOTHING
-    baseline = False
     needs_process_group = False
     changes_math = ("BatchNorm normalizes with running statistics that stay frozen, never "
                     "learned (a model trained from scratch keeps mean 0 and variance 1: nothing "
@@ -292,7 +288,7 @@ def conv_bn_pairs(model: nn.Module, sample_forward: SampleForward) -> list[tuple
 
 
 @dataclass
-class EfficientEvalBN:
+class EfficientEvalBN(Technique):
     """Eval-mode BatchNorm folded into the conv before it on every forward: the Efficient
     Conv-BN "Tune" mode (You et al., ICLR 2024; MMEngine's `efficient_conv_bn_eval`). Same
     outputs and gradients as bn_mode=eval, but no conv output is saved for backward.
@@ -301,10 +297,8 @@ class EfficientEvalBN:
     other BatchNorm is frozen as in bn_mode=eval."""
 
     modules: list[str] = ()
-    found = None
-    changed = NOTHING
-    baseline = False
     needs_process_group = False
+    planned = ({},)
     changes_math = EvalBN.changes_math  # the same outputs and gradients
     accumulation_changes_math = None
 
@@ -386,13 +380,10 @@ class CrossRankBatchNorm(_BatchNorm):
 
 
 @dataclass
-class SyncBN:
+class SyncBN(Technique):
     """SyncBatchNorm: batch statistics over all ranks' samples, so N ranks normalize as one
     process with N times the batch would. Needs parallel=ddp|zero1|fsdp (check_combination)."""
 
-    found = None
-    changed = NOTHING
-    baseline = False
     needs_process_group = True
     changes_math = None  # normalizes N ranks as one process with N times the batch
     accumulation_changes_math = TrainBN.accumulation_changes_math
@@ -408,15 +399,12 @@ class SyncBN:
 
 
 @dataclass
-class GroupNormBN:
+class GroupNormBN(Technique):
     """Every BatchNorm replaced by GroupNorm (statistics per sample over channel groups): results
     no longer depend on the batch size, so gradient accumulation matches a large batch. Each
     layer gets the largest number of groups <= `groups` that divides its channels."""
 
     groups: int = 32
-    found = None
-    changed = NOTHING
-    baseline = False
     needs_process_group = False
     changes_math = "every BatchNorm becomes a GroupNorm: another normalization, another model"
     accumulation_changes_math = None  # statistics per sample

@@ -28,7 +28,7 @@ from memexp.models.blocks import (
     resolve_blocks,
     whole_sequential,
 )
-from memexp.techniques import NOTHING, model_device
+from memexp.techniques import Technique, model_device
 
 
 class Checkpointing(Protocol):
@@ -94,12 +94,11 @@ def wrap_each(model: nn.Module, names: list[str], wrap, key: str) -> dict[str, n
 
 
 @dataclass
-class NoCheckpointing:
+class NoCheckpointing(Technique):
     """Keep every activation autograd saves: the baseline."""
 
-    found = None
-    changed = NOTHING
     baseline = True
+    planned = ({},)
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing recomputed or moved
     changes_math = None  # see memexp.techniques
 
@@ -111,17 +110,15 @@ class NoCheckpointing:
 
 
 @dataclass
-class CheckpointBlocks:
+class CheckpointBlocks(Technique):
     """Checkpoint every `every`-th block, from the first: `every=1` (the `full` option)
     checkpoints them all, `every=2` (`selective`) half of them. `blocks` says which modules are
     the blocks (memexp.models.blocks)."""
 
     every: int = 1
     blocks: list[str] = ("auto",)
-    found = None
-    changed = NOTHING
-    baseline = False
     cost_rank = 1  # recomputes
+    planned = ({"every": 1},)  # full; selective saves less than full for the same kind of cost
     changes_math = None  # recomputed as first computed (its RNG state, BatchNorm's statistics)
 
     def __post_init__(self) -> None:
@@ -139,14 +136,11 @@ class CheckpointBlocks:
 
 
 @dataclass
-class CheckpointModules:
+class CheckpointModules(Technique):
     """Checkpoint the named submodules, like MMEngine's
     `activation_checkpointing=['layer1', 'layer2']`; class names and globs work too."""
 
     modules: list[str]
-    found = None
-    changed = NOTHING
-    baseline = False
     cost_rank = 1
     changes_math = None
 
@@ -164,7 +158,7 @@ class CheckpointModules:
 
 
 @dataclass
-class CheckpointSequential:
+class CheckpointSequential(Technique):
     """`torch.utils.checkpoint.checkpoint_sequential`'s scheme, the source's "split the training
     process": the blocks, which must be all of one nn.Sequential that forward calls whole, are
     cut into `segments` runs of consecutive blocks, and every run but the last is checkpointed
@@ -173,9 +167,6 @@ class CheckpointSequential:
 
     segments: int = 2
     blocks: list[str] = ("auto",)
-    found = None
-    changed = NOTHING
-    baseline = False
     cost_rank = 1
     changes_math = None
 
@@ -212,7 +203,7 @@ class Offloaded(Wrapper):
 
 
 @dataclass
-class OffloadActivations:
+class OffloadActivations(Technique):
     """Move every tensor autograd saves for backward to host memory (pinned on CUDA, so the copy
     back can overlap) and bring it back when backward needs it: the mechanism of
     `torch.autograd.graph.save_on_cpu`. Parameters are saved in place, not copied: they stay on
@@ -221,10 +212,8 @@ class OffloadActivations:
 
     pin_memory: bool = True
     blocks: list[str] | None = None
-    found = None
-    changed = NOTHING
-    baseline = False
     cost_rank = 2  # moves bytes to the host and back
+    planned = ({},)
     changes_math = None  # brought back as they were
 
     def apply(self, model: nn.Module) -> nn.Module:

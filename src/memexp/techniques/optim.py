@@ -21,6 +21,7 @@ import torch
 from torch import Tensor
 
 from memexp.quiet import quiet_torchao_import
+from memexp.techniques import Technique
 
 MakeOptimizer = Callable[[list[Tensor]], torch.optim.Optimizer]
 
@@ -74,7 +75,7 @@ class StepInBackward:
 
 
 @dataclass(kw_only=True)
-class OptimizerChoice:
+class OptimizerChoice(Technique):
     """The keys every optim option has.
 
     accumulate:  step every k micro-batches of data.batch_size samples, the loss scaled by 1/k
@@ -91,8 +92,9 @@ class OptimizerChoice:
     accumulate: int = 1
     in_backward: bool = False
     keep_grads: bool = False
-    # optim options that keep less state for the same job: what `memexp plan` also tries
-    lighter: ClassVar[tuple[str, ...]] = ()
+    # optimizer classes that keep less state for the same job: `memexp plan` also tries their
+    # options (memexp.registry.options_of)
+    lighter: ClassVar[tuple[type[OptimizerChoice], ...]] = ()
     # how it changes what is learned, or None where it keeps the math (see memexp.techniques);
     # accumulation keeps it, save for BatchNorm's statistics (bn_mode's
     # accumulation_changes_math), and so does stepping in backward
@@ -147,7 +149,6 @@ class Adam(OptimizerChoice):
              loop on CPU). torch reads fused=false with foreach=null as the loop.
     """
 
-    lighter: ClassVar[tuple[str, ...]] = ("adafactor", "adamw_8bit")
     lr: float = 1e-3
     betas: list[float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -204,7 +205,7 @@ class AdamW8bit(AdamW):
     parameter instead of 8. Where torchao does not run, a clear error: never a silent fallback
     to 32-bit AdamW, which would measure the wrong thing."""
 
-    lighter: ClassVar[tuple[str, ...]] = ()
+    lighter: ClassVar[tuple[type[OptimizerChoice], ...]] = ()
     changes_math: ClassVar[str | None] = ("AdamW's moments are kept quantized to 8 bits, "
                                           "rounded again every step")
 
@@ -230,3 +231,7 @@ class AdamW8bit(AdamW):
                 "for small optimizer state."
             ) from error
         return AdamW8bit
+
+
+# Adam's and AdamW's lighter classes, named once both are defined.
+Adam.lighter = (Adafactor, AdamW8bit)

@@ -20,7 +20,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from memexp.distributed import env_world_size, init_process_group
 from memexp.memory import SwapsParameters, host_resident
 from memexp.models.blocks import Blocks, resolve_blocks
-from memexp.techniques import NOTHING, model_device
+from memexp.techniques import Technique, model_device
 
 # Normalization layers keep fp32 parameters under FSDP's half-precision all-gather: their
 # running statistics are fp32 buffers, and autocast runs them in fp32 anyway.
@@ -63,15 +63,13 @@ class Parallel(Protocol):
 
 
 @dataclass
-class NoParallel:
+class NoParallel(Technique):
     """One process holds the whole model."""
 
     rank = 0
     world_size = 1
     distributed = False
     estimable = True
-    found = None
-    changed = NOTHING
 
     def __post_init__(self) -> None:
         if env_world_size() > 1:
@@ -106,15 +104,13 @@ class NoParallel:
 
 
 @dataclass
-class _OnProcessGroup:
+class _OnProcessGroup(Technique):
     """What every option on a process group shares. timeout_s bounds each collective, so that a
     rank that died or hangs fails the others soon instead of after torch's 10-30 minutes."""
 
     timeout_s: float = 120.0
     distributed = True
     estimable = False
-    found = None
-    changed = NOTHING
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:

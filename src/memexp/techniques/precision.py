@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from memexp.techniques import model_device
+from memexp.techniques import Technique, model_device
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -89,7 +89,7 @@ def scaled_step(scaler: torch.amp.GradScaler, optimizer: torch.optim.Optimizer) 
 
 
 @dataclass
-class FP32:
+class FP32(Technique):
     """Full precision: the baseline the other options are compared with."""
 
     needs_all_grads = False
@@ -97,6 +97,7 @@ class FP32:
     autocast_dtype = None
     needs_cuda = False
     baseline = True
+    planned = ({},)
     numerics_rank = 0
     changes_math = None  # TF32's products too: rounded within a step, accumulated in fp32
 
@@ -136,6 +137,7 @@ class TF32(FP32):
 
     needs_cuda = True
     baseline = False
+    planned = ()  # CUDA only, and fp32's memory: nothing for memexp plan to find
     numerics_rank = 1
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -145,14 +147,14 @@ class TF32(FP32):
 
 
 @dataclass
-class Autocast:
+class Autocast(Technique):
     """Mixed precision: parameters stay fp32, autocast runs matmuls and convolutions in `dtype`.
     float16 gets a GradScaler with a dynamic loss scale against gradient underflow (`amp`);
     bfloat16 has fp32's exponent range and needs none (`bf16`)."""
 
     dtype: str = "float16"
     needs_cuda = False
-    baseline = False
+    planned = ({},)  # bf16 and amp
     changes_math = None  # parameters, their gradients and updates stay fp32
 
     def __post_init__(self) -> None:
@@ -204,7 +206,7 @@ class Autocast:
 
 
 @dataclass
-class Pure:
+class Pure(Technique):
     """The source's `model.half()`: parameters, buffers, inputs and activations all in `dtype`.
 
     With `master_weights=true` the optimizer updates an fp32 copy of every parameter and the
@@ -216,7 +218,8 @@ class Pure:
     master_weights: bool = False
     autocast_dtype = None  # parameters are in `dtype` already: nothing to cast
     needs_cuda = False
-    baseline = False
+    # bf16_pure; fp16_pure without master weights has no loss scale for its fp16 gradients
+    planned = ({"dtype": "bfloat16"},)
 
     def __post_init__(self) -> None:
         self._dtype = half_dtype(self.dtype, "precision.dtype")

@@ -1,0 +1,38 @@
+"""submitit's private job entry point. An executor starts every task as
+`<python> -u -m submitit.core._submit FOLDER` (its `_submitit_command_str`), and memexp's
+launchers name their own module as <python> (hydra_plugins.memexp_launcher.job), which then
+runs submitit's entry itself. Checked on submitit 1.5.
+
+Imports here stay minimal: the job module imports this before it holds its time-out signal
+back, and submitit is imported only by `run_entry`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+ENTRY = "submitit.core._submit"  # the module submitit runs as each task's main
+# What an executor appends to its python: the interpreter's flag, the module and the folder.
+APPENDED = ["-u", "-m", ENTRY]
+
+
+def job_folder(argv: list[str], program: str) -> str:
+    """The job folder of the command line submitit gave `program` (after its own name)."""
+    if argv[:3] != APPENDED or len(argv) != 4:
+        raise SystemExit(f"usage: python -m {program} {' '.join(APPENDED)} FOLDER (submitit "
+                         f"appends these); got {argv}")
+    return argv[3]
+
+
+def run_entry(folder: str) -> None:
+    """Run submitit's entry point as `python -m submitit.core._submit FOLDER` would."""
+    import runpy  # here: the job's first lines, before its signal is held back, import nothing
+
+    sys.argv = [ENTRY, folder]
+    runpy.run_module(ENTRY, run_name="__main__", alter_sys=True)
+
+
+def command_of(executor) -> str:
+    """The command an executor starts each task with (private: `_submitit_command_str`),
+    for the test that it still ends with APPENDED and the folder."""
+    return executor._submitit_command_str
