@@ -5,6 +5,7 @@ the checks that refuse what cannot run."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shlex
 import subprocess
@@ -23,7 +24,15 @@ from memexp.result import summary
 from memexp.trainer import Trainer, build, build_model
 
 from conftest import HF_BERT as BERT
-from conftest import HF_DATA, REPO, compose_train, step_memory, train
+from conftest import (
+    HF_DATA,
+    REPO,
+    compose_train,
+    first_step_gradients,
+    relative_error,
+    step_memory,
+    train,
+)
 from conftest import HF_GPT2 as GPT2
 
 # A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
@@ -520,6 +529,33 @@ def test_the_estimate_of_audio_models_is_their_measured_peak(model, checkpointin
     # trace, so it skips the causal mask as the run does; CTC's loss runs on stand-ins
     assert estimate(cfg).memory["peak_bytes"] == pytest.approx(real, rel=0 if model == "whisper"
                                                                else 1e-4)
+
+
+# wav2vec2's dropouts and SpecAugment off: a micro-batch draws other masks than the batch.
+WAV2VEC2_EXACT = (*WAV2VEC2, *(f"+model.config.{key}=0" for key in (
+    "hidden_dropout", "activation_dropout", "attention_dropout", "feat_proj_dropout",
+    "final_dropout", "mask_time_prob")))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_accumulation_of_a_ctc_loss_is_the_batch_for_either_reduction(reduction):
+    """CTC's sum (wav2vec2's default) is the micro-batches' sum; its mean is over the samples,
+    each sample's loss over its own label count. Weighed by their labels as a mean over them,
+    the gradients were 0.49 (sum) and 0.023 (mean) off the batch's."""
+    model = (*WAV2VEC2_EXACT, f"+model.config.ctc_loss_reduction={reduction}")
+    _, large = first_step_gradients(*model, "data.batch_size=4")
+    trainer, accumulated = first_step_gradients(*model, "data.batch_size=2", "optim.accumulate=2")
+    micros = list(itertools.islice(trainer.data.train_batches(), 2))
+    assert len({int((batch["labels"] != -100).sum()) for batch in micros}) > 1  # they differ
+    # all gradients together: the attention's key biases have none to speak of (about 1e-11)
+    assert relative_error(torch.cat([g.flatten() for g in accumulated]),
+                          torch.cat([g.flatten() for g in large])) <= 1e-5
+
+
+def test_a_ctc_loss_that_is_not_one_number_is_refused():
+    with pytest.raises(ValueError, match=r"model.config.ctc_loss_reduction=none: choose mean "
+                                         r".* or sum"):
+        build_model(compose_train(*WAV2VEC2, "+model.config.ctc_loss_reduction=none").model)
 
 
 def test_layerdrop_is_refused_by_the_estimate():

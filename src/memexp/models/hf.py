@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from memexp.loss import REDUCTIONS, Reduction
 from memexp.models import LOADED, plain
 from memexp.quiet import quiet_torchao_import
 
@@ -37,6 +38,24 @@ TASKS = {
     "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
     "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
 }
+
+
+# model.task=ctc: transformers' CTC heads reduce torch's ctc_loss over the batch as their
+# config's ctc_loss_reduction says, which the class's default sets to a sum for wav2vec2, HuBERT
+# and others, and to a mean for WavLM, SEW and others
+CTC_REDUCTIONS = {"mean": Reduction.SAMPLES, "sum": Reduction.SUM}
+
+
+def own_loss_reduction(task: str, built) -> Reduction:
+    """How the `task` model of config `built` reduces its loss over a batch."""
+    if task != "ctc":
+        return Reduction.LABELS
+    if built.ctc_loss_reduction not in CTC_REDUCTIONS:
+        raise ValueError(
+            f"model.config.ctc_loss_reduction={built.ctc_loss_reduction}: choose mean (each "
+            "sample's loss over its label count, then the batch's mean, as fine-tuning sets it) "
+            "or sum (over the batch's samples): a step trains on one number")
+    return CTC_REDUCTIONS[built.ctc_loss_reduction]
 
 
 def known_architectures() -> list[str]:
@@ -139,6 +158,7 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
         # has none (its published config.json files set the pad id, which transformers' own
         # error advises): a model built from the class alone would fail on its first labels.
         built.decoder_start_token_id = built.pad_token_id
+    reduction = own_loss_reduction(task, built)
     if pretrained is None:
         model = auto.from_config(built)
     else:
@@ -157,6 +177,7 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
                 "weights as they are, model.pretrained_strict=false (the run's result.json "
                 "then lists them under model_load)")
         LOADED[model] = load
+    REDUCTIONS[model] = reduction
     if gradient_checkpointing:
         model.activation_checkpointing_enable(
             activation_checkpointing_kwargs={"use_reentrant": False})
