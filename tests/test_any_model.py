@@ -401,7 +401,16 @@ BART_3_2 = ("model=hf", "model.arch=bart", "model.task=seq2seq_lm",
             "+model.config.decoder_attention_heads=2", "+model.config.encoder_ffn_dim=64",
             "+model.config.decoder_ffn_dim=64", "+model.config.vocab_size=64",
             "+model.config.max_position_embeddings=64", *HF_DATA)
-ENCODER_DECODERS = {"t5": T5, "bart": BART_3_2}
+# Pegasus and Marian: BART's keys, at 2+1 layers; Marian's pad and decoder start id (58100, its
+# class's vocabulary's last) brought within the small vocabulary
+BART_LIKE = (*(f"+model.config.{key}={value}" for key, value in {
+    "encoder_layers": 2, "decoder_layers": 1, "d_model": 32, "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "vocab_size": 64, "max_position_embeddings": 64}.items()), *HF_DATA)
+PEGASUS = ("model=hf", "model.arch=pegasus", "model.task=seq2seq_lm", *BART_LIKE)
+MARIAN = ("model=hf", "model.arch=marian", "model.task=seq2seq_lm", *BART_LIKE,
+          "+model.config.pad_token_id=63", "+model.config.decoder_start_token_id=63")
+ENCODER_DECODERS = {"t5": T5, "bart": BART_3_2, "pegasus": PEGASUS, "marian": MARIAN}
 
 
 @pytest.mark.parametrize(("model", "eos", "pad"), [("t5", 1, 0), ("bart", 2, 1)])
@@ -436,8 +445,24 @@ def test_seq2seq_lm_checkpoints_encoder_and_decoder_with_equal_losses_and_is_est
     if checkpointing == "full":  # both sides' blocks, at their unequal depths
         assert blocks == {"checkpointing": {
             "t5": {"class": "T5Block", "count": 3},
-            "bart": {"class": "BartEncoderLayer, BartDecoderLayer", "count": 5}}[model]}
+            "bart": {"class": "BartEncoderLayer, BartDecoderLayer", "count": 5},
+            "pegasus": {"class": "PegasusEncoderLayer, PegasusDecoderLayer", "count": 3},
+            "marian": {"class": "MarianEncoderLayer, MarianDecoderLayer", "count": 3}}[model]}
         assert losses == seq2seq_run(model, "none")[0] and len(losses) == 2
+
+
+def test_ids_that_a_smaller_vocabulary_leaves_behind_are_refused_naming_them():
+    """MarianConfig's pad and decoder start id are 58100: with vocab_size=64 the build failed on
+    torch's `Padding_idx must be within num_embeddings`, and with the pad id alone set, the
+    decoder's first lookup was blamed on a position table."""
+    marian = MARIAN[:-2]
+    with pytest.raises(ValueError, match=r"model.config.vocab_size=64: MarianConfig's "
+                                         r"pad_token_id=58100, decoder_start_token_id=58100 are "
+                                         r"past its vocabulary of 64 \(ids 0 to 63\)"):
+        build_model(compose_train(*marian).model)
+    with pytest.raises(ValueError, match=r"decoder_start_token_id=58100 is past .* set "
+                                         r"\+model.config.decoder_start_token_id=\.\.\. within"):
+        build(compose_train(*marian, "+model.config.pad_token_id=63").data)
 
 
 def test_auto_takes_the_decoders_blocks_beside_a_deeper_encoders():

@@ -192,7 +192,20 @@ def hf_config(arch: str, config: dict | None, config_extra: dict | None,
 
     overrides, config_class = {**plain(config), **plain(config_extra)}, CONFIG_MAPPING[arch]
     if pretrained is None:
-        return config_class(**overrides)
+        built = config_class(**overrides)
+    else:
+        # The keys go in with the saved ones, as they do without a folder: from_pretrained's
+        # own overrides are set after the config is built, where what follows from them
+        # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
+        # converts (rope_theta) is dropped.
+        built = config_class.from_dict({**saved_config(arch, pretrained, config_class),
+                                        **overrides})
+    refuse_ids_past_vocabulary(built, overrides)
+    return built
+
+
+def saved_config(arch: str, pretrained: str, config_class: type) -> dict:
+    """model.pretrained's config.json, of `arch`."""
     folder = Path(pretrained).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -203,11 +216,31 @@ def hf_config(arch: str, config: dict | None, config_extra: dict | None,
     if saved.get("model_type") != arch:
         raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
                          f"model, but model.arch={arch}")
-    # The keys go in with the saved ones, as they do without a folder: from_pretrained's own
-    # overrides are set after the config is built, where what follows from them (Qwen2's
-    # layer_types from num_hidden_layers) is not recomputed, and a key the class converts
-    # (rope_theta) is dropped.
-    return config_class.from_dict({**saved, **overrides})
+    return saved
+
+
+def refuse_ids_past_vocabulary(built, overrides: dict) -> None:
+    """The ids a model looks up of its own accord, at or past its vocabulary, where model.config
+    set them or vocab_size: its pad_token_id (transformers builds its embeddings with it as
+    their `padding_idx`, and memexp's synthetic data pads with it: the build fails on an
+    assertion) and an encoder-decoder's decoder_start_token_id (its decoder's first input).
+    MarianConfig's are 58100, which vocab_size=64 leaves behind. A config as published is left
+    to transformers, which only warns of such ids."""
+    text = built.get_text_config(decoder=True)
+    ids = {"pad_token_id": text.pad_token_id}
+    if built.is_encoder_decoder:  # T5's config class has no decoder_start_token_id (hf_model)
+        ids["decoder_start_token_id"] = getattr(built, "decoder_start_token_id", None)
+    past = {name: value for name, value in ids.items() if value is not None
+            and value >= text.vocab_size and ("vocab_size" in overrides or name in overrides)}
+    if past:
+        key = "vocab_size" if "vocab_size" in overrides else next(iter(past))
+        settings = " and ".join(f"+model.config.{name}=..." for name in past)
+        raise ValueError(
+            f"model.config.{key}={overrides[key]}: {type(built).__name__}'s "
+            f"{', '.join(f'{name}={value}' for name, value in past.items())} "
+            f"{'is' if len(past) == 1 else 'are'} past its vocabulary of {text.vocab_size} (ids "
+            f"0 to {text.vocab_size - 1}), and the model looks {'it' if len(past) == 1 else 'them'}"
+            f" up: set {settings} within it, or a larger vocab_size")
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
