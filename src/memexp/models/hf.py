@@ -226,21 +226,24 @@ def refuse_ids_past_vocabulary(built, overrides: dict) -> None:
     assertion) and an encoder-decoder's decoder_start_token_id (its decoder's first input).
     MarianConfig's are 58100, which vocab_size=64 leaves behind. A config as published is left
     to transformers, which only warns of such ids."""
-    text = built.get_text_config(decoder=True)
-    ids = {"pad_token_id": text.pad_token_id}
-    if built.is_encoder_decoder:  # T5's config class has no decoder_start_token_id (hf_model)
-        ids["decoder_start_token_id"] = getattr(built, "decoder_start_token_id", None)
-    past = {name: value for name, value in ids.items() if value is not None
-            and value >= text.vocab_size and ("vocab_size" in overrides or name in overrides)}
+    # read as transformers' own check reads them, from the config's keys: a vision config has
+    # neither a vocabulary nor a pad id, and T5's no decoder_start_token_id (hf_model sets it)
+    text, keys = built.get_text_config(decoder=True).to_dict(), built.to_dict()
+    vocab = text.get("vocab_size")
+    ids = {"pad_token_id": text.get("pad_token_id"),
+           "decoder_start_token_id": keys.get("decoder_start_token_id")
+           if built.is_encoder_decoder else None}
+    past = {name: value for name, value in ids.items() if value is not None and vocab is not None
+            and value >= vocab and ("vocab_size" in overrides or name in overrides)}
     if past:
         key = "vocab_size" if "vocab_size" in overrides else next(iter(past))
         settings = " and ".join(f"+model.config.{name}=..." for name in past)
         raise ValueError(
             f"model.config.{key}={overrides[key]}: {type(built).__name__}'s "
             f"{', '.join(f'{name}={value}' for name, value in past.items())} "
-            f"{'is' if len(past) == 1 else 'are'} past its vocabulary of {text.vocab_size} (ids "
-            f"0 to {text.vocab_size - 1}), and the model looks {'it' if len(past) == 1 else 'them'}"
-            f" up: set {settings} within it, or a larger vocab_size")
+            f"{'is' if len(past) == 1 else 'are'} past its vocabulary of {vocab} (ids 0 to "
+            f"{vocab - 1}), and the model looks {'it' if len(past) == 1 else 'them'} up: set "
+            f"{settings} within it, or a larger vocab_size")
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
