@@ -5,6 +5,7 @@ the checks that refuse what cannot run."""
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import shlex
 import subprocess
@@ -24,7 +25,15 @@ from memexp.result import summary
 from memexp.trainer import Trainer
 
 from conftest import HF_BERT as BERT
-from conftest import HF_DATA, REPO, compose_train, step_memory, train
+from conftest import (
+    HF_DATA,
+    REPO,
+    compose_train,
+    first_step_gradients,
+    relative_error,
+    step_memory,
+    train,
+)
 from conftest import HF_GPT2 as GPT2
 
 # A plain module with no `blocks`: its layers in an nn.ModuleList that forward loops over.
@@ -393,7 +402,16 @@ BART_3_2 = ("model=hf", "model.arch=bart", "model.task=seq2seq_lm",
             "+model.config.decoder_attention_heads=2", "+model.config.encoder_ffn_dim=64",
             "+model.config.decoder_ffn_dim=64", "+model.config.vocab_size=64",
             "+model.config.max_position_embeddings=64", *HF_DATA)
-ENCODER_DECODERS = {"t5": T5, "bart": BART_3_2}
+# Pegasus and Marian: BART's keys, at 2+1 layers; Marian's pad and decoder start id (58100, its
+# class's vocabulary's last) brought within the small vocabulary
+BART_LIKE = (*(f"+model.config.{key}={value}" for key, value in {
+    "encoder_layers": 2, "decoder_layers": 1, "d_model": 32, "encoder_attention_heads": 2,
+    "decoder_attention_heads": 2, "encoder_ffn_dim": 64, "decoder_ffn_dim": 64,
+    "vocab_size": 64, "max_position_embeddings": 64}.items()), *HF_DATA)
+PEGASUS = ("model=hf", "model.arch=pegasus", "model.task=seq2seq_lm", *BART_LIKE)
+MARIAN = ("model=hf", "model.arch=marian", "model.task=seq2seq_lm", *BART_LIKE,
+          "+model.config.pad_token_id=63", "+model.config.decoder_start_token_id=63")
+ENCODER_DECODERS = {"t5": T5, "bart": BART_3_2, "pegasus": PEGASUS, "marian": MARIAN}
 
 
 @pytest.mark.parametrize(("model", "eos", "pad"), [("t5", 1, 0), ("bart", 2, 1)])
@@ -428,8 +446,24 @@ def test_seq2seq_lm_checkpoints_encoder_and_decoder_with_equal_losses_and_is_est
     if checkpointing == "full":  # both sides' blocks, at their unequal depths
         assert blocks == {"checkpointing": {
             "t5": {"class": "T5Block", "count": 3},
-            "bart": {"class": "BartEncoderLayer, BartDecoderLayer", "count": 5}}[model]}
+            "bart": {"class": "BartEncoderLayer, BartDecoderLayer", "count": 5},
+            "pegasus": {"class": "PegasusEncoderLayer, PegasusDecoderLayer", "count": 3},
+            "marian": {"class": "MarianEncoderLayer, MarianDecoderLayer", "count": 3}}[model]}
         assert losses == seq2seq_run(model, "none")[0] and len(losses) == 2
+
+
+def test_ids_that_a_smaller_vocabulary_leaves_behind_are_refused_naming_them():
+    """MarianConfig's pad and decoder start id are 58100: with vocab_size=64 the build failed on
+    torch's `Padding_idx must be within num_embeddings`, and with the pad id alone set, the
+    decoder's first lookup was blamed on a position table."""
+    marian = MARIAN[:-2]
+    with pytest.raises(ValueError, match=r"model.config.vocab_size=64: MarianConfig's "
+                                         r"pad_token_id=58100, decoder_start_token_id=58100 are "
+                                         r"past its vocabulary of 64 \(ids 0 to 63\)"):
+        build_model(compose_train(*marian).model)
+    with pytest.raises(ValueError, match=r"decoder_start_token_id=58100 is past .* set "
+                                         r"\+model.config.decoder_start_token_id=\.\.\. within"):
+        build(compose_train(*marian, "+model.config.pad_token_id=63").data)
 
 
 def test_auto_takes_the_decoders_blocks_beside_a_deeper_encoders():
@@ -521,6 +555,33 @@ def test_the_estimate_of_audio_models_is_their_measured_peak(model, checkpointin
     # trace, so it skips the causal mask as the run does; CTC's loss runs on stand-ins
     assert estimate(cfg).memory["peak_bytes"] == pytest.approx(real, rel=0 if model == "whisper"
                                                                else 1e-4)
+
+
+# wav2vec2's dropouts and SpecAugment off: a micro-batch draws other masks than the batch.
+WAV2VEC2_EXACT = (*WAV2VEC2, *(f"+model.config.{key}=0" for key in (
+    "hidden_dropout", "activation_dropout", "attention_dropout", "feat_proj_dropout",
+    "final_dropout", "mask_time_prob")))
+
+
+@pytest.mark.parametrize("reduction", ["sum", "mean"])
+def test_accumulation_of_a_ctc_loss_is_the_batch_for_either_reduction(reduction):
+    """CTC's sum (wav2vec2's default) is the micro-batches' sum; its mean is over the samples,
+    each sample's loss over its own label count. Weighed by their labels as a mean over them,
+    the gradients were 0.50 (sum) and 0.018 (mean) off the batch's (1.8e-07, 1.5e-07 now)."""
+    model = (*WAV2VEC2_EXACT, f"+model.config.ctc_loss_reduction={reduction}")
+    _, large = first_step_gradients(*model, "data.batch_size=4")
+    trainer, accumulated = first_step_gradients(*model, "data.batch_size=2", "optim.accumulate=2")
+    micros = list(itertools.islice(trainer.data.train_batches(), 2))
+    assert len({int((batch["labels"] != -100).sum()) for batch in micros}) > 1  # they differ
+    # all gradients together: the attention's key biases have none to speak of (about 1e-11)
+    assert relative_error(torch.cat([g.flatten() for g in accumulated]),
+                          torch.cat([g.flatten() for g in large])) <= 1e-5
+
+
+def test_a_ctc_loss_that_is_not_one_number_is_refused():
+    with pytest.raises(ValueError, match=r"model.config.ctc_loss_reduction=none: choose mean "
+                                         r".* or sum"):
+        build_model(compose_train(*WAV2VEC2, "+model.config.ctc_loss_reduction=none").model)
 
 
 def test_layerdrop_is_refused_by_the_estimate():

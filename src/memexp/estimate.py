@@ -467,7 +467,7 @@ def check_before_tracing(cfg: DictConfig, data) -> None:
     device: nothing is allocated."""
     with torch.device("meta"):
         model = build_model(cfg.model)
-    loss = as_loss(build(cfg.loss))
+    loss = as_loss(build(cfg.loss), model)
     batch = data.first_batch()
     check_signature(model, batch, loss.passes_labels)
     dry_run(model, batch, loss)

@@ -7,8 +7,8 @@ is the logits), or a mapping such as Hugging Face's `ModelOutput`, from which me
 
 Every option is called as `loss(outputs, batch)`; `hits(outputs, batch)` gives the correct and
 the counted predictions of a batch (`Hits`), or None where accuracy means nothing (regression);
-`items(batch)` how many items its loss is a mean over, which weighs the micro-batches of an
-accumulated step (`shares`).
+`items(batch)` how many items its loss is a mean over, and `sums` whether it is their sum instead,
+which weigh the micro-batches of an accumulated step (`shares`).
 `passes_labels` says whether a mapping batch's `labels` go into the model's call (a model
 computes its own loss from them) or stay memexp's targets. `check(outputs, batch)` refuses, at a
 run's first forward pass, what the loss could not use; `key` names the option in its errors.
@@ -19,7 +19,9 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, NamedTuple, Protocol
+from weakref import WeakKeyDictionary
 
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -71,6 +73,8 @@ class Hits(NamedTuple):
 class Loss(Protocol):
     passes_labels: bool
     key: str  # the option, as its errors name it
+    # a sum over the batch's items, not a mean: the step's loss is its micro-batches' sum
+    sums: bool
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor: ...
 
@@ -89,8 +93,11 @@ def shares(loss: Loss, batches: list[Batch]) -> list[float]:
     """Each micro-batch's weight in an accumulated step: its items over all of theirs, so that
     the weighted sum of their mean losses is the mean over every item of the step, as one batch
     of them all would give (with padded sequences, micro-batches count different numbers of
-    tokens). Equal weights where the loss cannot count its items, or they count none. Across
-    ranks, DDP averages the ranks' gradients with equal weights, as it always does."""
+    tokens). Equal weights where the loss cannot count its items, or they count none; a weight
+    of 1 each where the loss is a sum, which the micro-batches' sum is. Across ranks, DDP
+    averages the ranks' gradients with equal weights, as it always does."""
+    if loss.sums:
+        return [1.0] * len(batches)
     counts = [loss.items(batch) for batch in batches]
     total = None if None in counts else sum(counts)
     if not total:
@@ -190,6 +197,7 @@ class CrossEntropy:
     shift: bool = False
     passes_labels = False
     key = "loss=cross_entropy"
+    sums = False
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         logits, targets = aligned(logits_of(outputs, "cross_entropy"), targets_of(batch),
@@ -209,15 +217,41 @@ class CrossEntropy:
         check_classes(logits, targets, self.key)
 
 
+class Reduction(Enum):
+    """How a model's own loss reduces its batch, which weighs the micro-batches of an
+    accumulated step (`shares`). The model's builder says which (`REDUCTIONS`)."""
+
+    # Hugging Face's cross-entropy losses: a mean over the labels that are not -100 (shifted for
+    # causal language models; one per sample for sequence classification)
+    LABELS = "a mean over its labels"
+    # torch's ctc_loss with reduction="mean": each sample's loss over its label count, then the
+    # batch's mean, whatever the counts
+    SAMPLES = "a mean over its samples"
+    # ctc_loss with reduction="sum" (wav2vec2's and HuBERT's default)
+    SUM = "a sum over its samples"
+
+
+# How each model's own loss reduces its batch, where its builder knows (model=hf: from the config
+# its task head reads); a mean over its labels otherwise. By model, beside it rather than on it,
+# where its own code could meet it.
+REDUCTIONS: WeakKeyDictionary = WeakKeyDictionary()
+
+
 @dataclass
 class ModelLoss:
     """The loss the model computed itself: Hugging Face models do when given `labels`, which a
     mapping batch then passes in. Accuracy from its logits, where it has class logits;
-    `shift=true` aligns them for causal language models, as cross_entropy's `shift`."""
+    `shift=true` aligns them for causal language models, as cross_entropy's `shift`.
+    `reduction` is the model's, not an option: `as_loss` reads it from the built model."""
 
     shift: bool = False
     passes_labels = True
     key = "loss=model"
+    reduction = Reduction.LABELS
+
+    @property
+    def sums(self) -> bool:
+        return self.reduction is Reduction.SUM
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         if outputs.loss is None:
@@ -231,9 +265,12 @@ class ModelLoss:
         return class_hits(outputs.logits, targets_of(batch), self.shift)
 
     def items(self, batch: Batch) -> int | None:
-        """Hugging Face's losses are means over the labels that are not -100 (shifted for
-        causal language models), or over the samples (sequence classification)."""
-        return counted(targets_of(batch), self.shift)
+        """The labels that are not -100 (shifted for causal language models), or the samples
+        where the model's loss is a mean over them (CTC's)."""
+        targets = targets_of(batch)
+        if self.reduction is Reduction.SAMPLES and targets is not None:
+            return len(targets)
+        return counted(targets, self.shift)
 
     def check(self, outputs: Outputs, batch: Batch) -> None:
         targets = targets_of(batch)
@@ -248,6 +285,7 @@ class MSE:
 
     passes_labels = False
     key = "loss=mse"
+    sums = False
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         logits, targets = logits_of(outputs, "mse"), targets_of(batch)
@@ -273,6 +311,7 @@ class UserLoss:
 
     function: Callable[[Outputs, Batch], Tensor]
     passes_labels = False
+    sums = False  # unknown: taken for a mean, whose items are unknown too (equal weights)
 
     @property
     def key(self) -> str:
@@ -295,9 +334,13 @@ class UserLoss:
         pass
 
 
-def as_loss(built: Any) -> Loss:
-    """A `loss` option as built: memexp's own options, or a user's callable."""
-    if isinstance(built, (CrossEntropy, ModelLoss, MSE)):
+def as_loss(built: Any, model: nn.Module) -> Loss:
+    """A `loss` option as built, for `model`: memexp's own options, or a user's callable.
+    loss=model takes the reduction of the model's own loss (`REDUCTIONS`)."""
+    if isinstance(built, ModelLoss):
+        built.reduction = REDUCTIONS.get(model, Reduction.LABELS)
+        return built
+    if isinstance(built, (CrossEntropy, MSE)):
         return built
     if callable(built):
         return UserLoss(built)

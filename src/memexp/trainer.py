@@ -153,7 +153,6 @@ class Trainer:
         # SpecAugment masks); numpy takes seeds below 2**32
         np.random.seed(torch.initial_seed() % 2**32)
         self.data: Data = build(cfg.data) if data is None else data
-        self.loss = as_loss(build(cfg.loss))
         self.precision = build(cfg.precision)
         self.checkpointing = build(cfg.checkpointing)
         self.bn_mode = build(cfg.bn_mode)
@@ -163,6 +162,9 @@ class Trainer:
                           cfg.trainer.checkpoint_every)
 
         model = build_model(cfg.model) if model is None else model
+        # After the model: loss=model weighs micro-batches as the model's own loss reduces its
+        # batch (memexp.loss.REDUCTIONS: a CTC head's mean or sum).
+        self.loss = as_loss(build(cfg.loss), model)
         # What loading model.pretrained reported (memexp.models.hf), for the record; None
         # where no weights were loaded.
         self.model_load = LOADED.get(model)

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from memexp.loss import REDUCTIONS, Reduction
 from memexp.models import LOADED, plain
 from memexp.quiet import quiet_torchao_import
 
@@ -37,6 +38,24 @@ TASKS = {
     "ctc": ("AutoModelForCTC", "MODEL_FOR_CTC_MAPPING_NAMES"),
     "base": ("AutoModel", "MODEL_MAPPING_NAMES"),
 }
+
+
+# model.task=ctc: transformers' CTC heads reduce torch's ctc_loss over the batch as their
+# config's ctc_loss_reduction says, which the class's default sets to a sum for wav2vec2, HuBERT
+# and others, and to a mean for WavLM, SEW and others
+CTC_REDUCTIONS = {"mean": Reduction.SAMPLES, "sum": Reduction.SUM}
+
+
+def own_loss_reduction(task: str, built) -> Reduction:
+    """How the `task` model of config `built` reduces its loss over a batch."""
+    if task != "ctc":
+        return Reduction.LABELS
+    if built.ctc_loss_reduction not in CTC_REDUCTIONS:
+        raise ValueError(
+            f"model.config.ctc_loss_reduction={built.ctc_loss_reduction}: choose mean (each "
+            "sample's loss over its label count, then the batch's mean, as fine-tuning sets it) "
+            "or sum (over the batch's samples): a step trains on one number")
+    return CTC_REDUCTIONS[built.ctc_loss_reduction]
 
 
 def known_architectures() -> list[str]:
@@ -138,6 +157,7 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
         # has none (its published config.json files set the pad id, which transformers' own
         # error advises): a model built from the class alone would fail on its first labels.
         built.decoder_start_token_id = built.pad_token_id
+    reduction = own_loss_reduction(task, built)
     if pretrained is None:
         model = auto.from_config(built)
     else:
@@ -156,6 +176,7 @@ def hf_model(arch: str, task: str, config: dict | None = None, config_extra: dic
                 "weights as they are, model.pretrained_strict=false (the run's result.json "
                 "then lists them under model_load)")
         LOADED[model] = load
+    REDUCTIONS[model] = reduction
     if gradient_checkpointing:
         library_checkpointing(model)
     return model
@@ -183,7 +204,20 @@ def hf_config(arch: str, config: dict | None, config_extra: dict | None,
 
     overrides, config_class = {**plain(config), **plain(config_extra)}, CONFIG_MAPPING[arch]
     if pretrained is None:
-        return config_class(**overrides)
+        built = config_class(**overrides)
+    else:
+        # The keys go in with the saved ones, as they do without a folder: from_pretrained's
+        # own overrides are set after the config is built, where what follows from them
+        # (Qwen2's layer_types from num_hidden_layers) is not recomputed, and a key the class
+        # converts (rope_theta) is dropped.
+        built = config_class.from_dict({**saved_config(arch, pretrained, config_class),
+                                        **overrides})
+    refuse_ids_past_vocabulary(built, overrides)
+    return built
+
+
+def saved_config(arch: str, pretrained: str, config_class: type) -> dict:
+    """model.pretrained's config.json, of `arch`."""
     folder = Path(pretrained).expanduser()
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(
@@ -194,11 +228,34 @@ def hf_config(arch: str, config: dict | None, config_extra: dict | None,
     if saved.get("model_type") != arch:
         raise ValueError(f"model.pretrained={pretrained} holds a {saved.get('model_type')} "
                          f"model, but model.arch={arch}")
-    # The keys go in with the saved ones, as they do without a folder: from_pretrained's own
-    # overrides are set after the config is built, where what follows from them (Qwen2's
-    # layer_types from num_hidden_layers) is not recomputed, and a key the class converts
-    # (rope_theta) is dropped.
-    return config_class.from_dict({**saved, **overrides})
+    return saved
+
+
+def refuse_ids_past_vocabulary(built, overrides: dict) -> None:
+    """The ids a model looks up of its own accord, at or past its vocabulary, where model.config
+    set them or vocab_size: its pad_token_id (transformers builds its embeddings with it as
+    their `padding_idx`, and memexp's synthetic data pads with it: the build fails on an
+    assertion) and an encoder-decoder's decoder_start_token_id (its decoder's first input).
+    MarianConfig's are 58100, which vocab_size=64 leaves behind. A config as published is left
+    to transformers, which only warns of such ids."""
+    # read as transformers' own check reads them, from the config's keys: a vision config has
+    # neither a vocabulary nor a pad id, and T5's no decoder_start_token_id (hf_model sets it)
+    text, keys = built.get_text_config(decoder=True).to_dict(), built.to_dict()
+    vocab = text.get("vocab_size")
+    ids = {"pad_token_id": text.get("pad_token_id"),
+           "decoder_start_token_id": keys.get("decoder_start_token_id")
+           if built.is_encoder_decoder else None}
+    past = {name: value for name, value in ids.items() if value is not None and vocab is not None
+            and value >= vocab and ("vocab_size" in overrides or name in overrides)}
+    if past:
+        key = "vocab_size" if "vocab_size" in overrides else next(iter(past))
+        settings = " and ".join(f"+model.config.{name}=..." for name in past)
+        raise ValueError(
+            f"model.config.{key}={overrides[key]}: {type(built).__name__}'s "
+            f"{', '.join(f'{name}={value}' for name, value in past.items())} "
+            f"{'is' if len(past) == 1 else 'are'} past its vocabulary of {vocab} (ids 0 to "
+            f"{vocab - 1}), and the model looks {'it' if len(past) == 1 else 'them'} up: set "
+            f"{settings} within it, or a larger vocab_size")
 
 
 def config_keys(config_class: type, auto: type) -> set[str]:
