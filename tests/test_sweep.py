@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from memexp.result import GROUPS, mib
 
-from conftest import REPO, TRAIN_PY_ENV, default_sigint
+from conftest import REPO, TRAIN_PY_ENV, Background, default_sigint, early
 from wandb_records import summary as wandb_summary
 
 pytestmark = pytest.mark.slow
@@ -37,14 +37,26 @@ TESTS = Path(__file__).resolve().parent
 def sweep(sweep_dir: Path, *overrides: str, env: dict | None = None,
           timeout: float = 400) -> subprocess.CompletedProcess:
     """`python train.py -m ...` in a subprocess; tests/ is importable (for chaos.Chaos)."""
+    return subprocess.run(sweep_command(sweep_dir, overrides), capture_output=True, text=True,
+                          timeout=timeout, cwd=sweep_dir.parent, env=sweep_env(env))
+
+
+def started_sweep(folder: Path, name: str, *overrides: str,
+                  env: dict | None = None) -> Background:
+    """sweep(), started in the background (an `early` fixture's), its folder folder/name."""
+    return Background(sweep_command(folder / name, overrides), folder, sweep_env(env))
+
+
+def sweep_command(sweep_dir: Path, overrides: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+            *overrides]
+
+
+def sweep_env(env: dict | None) -> dict:
     environment = {**os.environ, "PYTHONPATH": str(TESTS), "HYDRA_FULL_ERROR": "0"}
     environment.pop("WANDB_MODE", None)  # the developer's own setting must not leak in
     environment.update(env or {})
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
-         *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=sweep_dir.parent, env=environment,
-    )
+    return environment
 
 
 def results(sweep_dir: Path) -> dict[str, dict]:
@@ -59,12 +71,27 @@ def assert_serial(records: list[dict]) -> None:
         assert started >= finished
 
 
-@pytest.fixture(scope="module")
-def four_jobs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    sweep_dir = tmp_path_factory.mktemp("sweep") / "four"
-    done = sweep(sweep_dir, *TINY, "logger=wandb", "precision=fp32,bf16",
-                 "checkpointing=none,full")
-    return sweep_dir, done
+class Read:
+    """A started sweep whose result is its folder and its CompletedProcess."""
+
+    def __init__(self, sweep_dir: Path, started: Background):
+        self.sweep_dir, self.started = sweep_dir, started
+
+    def result(self) -> tuple[Path, subprocess.CompletedProcess]:
+        return self.sweep_dir, self.started.result()
+
+    def stop(self) -> None:
+        self.started.stop()
+
+
+def read(folder: Path, name: str, *overrides: str, env: dict | None = None) -> Read:
+    return Read(folder / name, started_sweep(folder, name, *overrides, env=env))
+
+
+@early()
+def four_jobs(folder: Path) -> Read:
+    return read(folder, "four", *TINY, "logger=wandb", "precision=fp32,bf16",
+                "checkpointing=none,full")
 
 
 def test_a_four_job_sweep_writes_every_result_and_the_report(four_jobs):
@@ -154,11 +181,15 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
         assert [row["status"] for row in csv.DictReader(f)] == ["ok", "running", "ok"]
 
 
-def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
+@early()
+def chaos_sweep(folder: Path) -> Read:
+    return read(folder, "chaos", *TINY_DATA, "logger=wandb", "model=custom",
+                "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+
+
+def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
     """Jobs that raise, run out of memory, diverge, are SIGKILLed, or succeed, in one sweep."""
-    sweep_dir = tmp_path / "chaos"
-    done = sweep(sweep_dir, *TINY_DATA, "logger=wandb", "model=custom",
-                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+    sweep_dir, done = chaos_sweep
     assert done.returncode != 0  # the sweep says that some jobs failed
     assert ("4 of 6 jobs did not succeed: job 1 failed, job 2 oom, job 3 nan, job 4 killed"
             in done.stderr)
@@ -233,10 +264,14 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+@early()
+def cuda_sweep(folder: Path) -> Read:
+    return read(folder, "nocuda", *TINY, "trainer.device=cuda")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_job_asking_for_cuda_without_a_gpu_fails_loudly(tmp_path):
-    sweep_dir = tmp_path / "nocuda"
-    done = sweep(sweep_dir, *TINY, "trainer.device=cuda")
+def test_a_job_asking_for_cuda_without_a_gpu_fails_loudly(cuda_sweep):
+    sweep_dir, done = cuda_sweep
     assert done.returncode != 0
     result = results(sweep_dir)["0"]
     assert result["status"] == "failed"
@@ -287,9 +322,13 @@ def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
         assert len(silent.held) == 2
 
 
-def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):
-    sweep_dir = tmp_path / "budget"
-    done = sweep(sweep_dir, *TINY, "report.budget=lots", "checkpointing=none,full")
+@early()
+def bad_budget_sweep(folder: Path) -> Read:
+    return read(folder, "budget", *TINY, "report.budget=lots", "checkpointing=none,full")
+
+
+def test_a_bad_budget_stops_the_sweep_before_any_job_runs(bad_budget_sweep):
+    sweep_dir, done = bad_budget_sweep
     assert done.returncode != 0
     assert "report.budget=lots: expected a positive size such as 12GiB" in done.stderr
     assert not list(sweep_dir.glob("*/result.json"))
