@@ -22,6 +22,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from memexp import cli
 from memexp.result import GROUPS, mib
 
 from conftest import REPO, TRAIN_PY_ENV, Background, default_sigint, early
@@ -163,7 +164,8 @@ def test_each_job_is_an_offline_wandb_run_in_the_sweeps_group(four_jobs):
     assert len(table["data"]) == 4 and "peak_mib" in table["columns"]
 
 
-def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
+def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path, capsys):
+    """In this process; `python -m memexp.cli report` as a command: tests/test_reading_records."""
     sweep_dir, _ = four_jobs
     partial = tmp_path / "partial"
     for job in ("0", "2"):
@@ -172,11 +174,10 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
     running.update(status="running", memory=None, metrics=None, finished_at=None)
     (partial / "1").mkdir()
     (partial / "1" / "result.json").write_text(json.dumps(running))
-    done = subprocess.run([sys.executable, "-m", "memexp.cli", "report", str(partial),
-                           "--budget", "64MiB"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "| 1 |" in done.stdout and "running" in done.stdout
-    assert "fastest that fits" in done.stdout
+    assert cli.main(["report", str(partial), "--budget", "64MiB"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 |" in printed and "running" in printed
+    assert "fastest that fits" in printed
     with open(partial / "report.csv") as f:
         assert [row["status"] for row in csv.DictReader(f)] == ["ok", "running", "ok"]
 
