@@ -304,15 +304,40 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
+class UnreachableWandb:
+    """A one-job sweep for each way a wandb server is unreachable, started together:
+    {how: (its folder, its CompletedProcess, the SilentServer or None)}."""
+
+    def __init__(self, folder: Path):
+        self.started = {}
+        for how in ("refuses", "never answers"):
+            silent = SilentServer() if how == "never answers" else None
+            port = silent.port if silent else closed_port()
+            env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
+                   "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+            (folder / how).mkdir()
+            self.started[how] = (read(folder / how, "wandb", *TINY, "logger=wandb", env=env),
+                                 silent)
+
+    def result(self) -> dict[str, tuple[Path, subprocess.CompletedProcess, SilentServer | None]]:
+        return {how: (*started.result(), silent)
+                for how, (started, silent) in self.started.items()}
+
+    def stop(self) -> None:
+        for started, _ in self.started.values():
+            started.stop()
+
+
+@early()
+def unreachable_wandb(folder: Path) -> UnreachableWandb:
+    return UnreachableWandb(folder)
+
+
 @pytest.mark.parametrize("server", ["refuses", "never answers"])
-def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
-    silent = SilentServer() if server == "never answers" else None
-    port = silent.port if silent else closed_port()
-    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
-           "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
-    done = sweep(tmp_path / "wandb", *TINY, "logger=wandb", env=env)
+def test_an_unreachable_wandb_server_never_fails_the_job(unreachable_wandb, server):
+    sweep_dir, done, silent = unreachable_wandb[server]
     assert done.returncode == 0, done.stderr[-3000:]
-    result = results(tmp_path / "wandb")["0"]
+    result = results(sweep_dir)["0"]
     assert result["status"] == "ok"
     assert result["logger"]["wandb"]["mode"] == "offline"
     assert "unreachable" in result["logger"]["wandb"]["why"]
