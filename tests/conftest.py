@@ -154,6 +154,34 @@ class Background:
             self.process.wait()
 
 
+class Ran:
+    """Background work in `folder`: result() is (folder, its CompletedProcess)."""
+
+    def __init__(self, folder: Path, started: Background):
+        self.folder, self.started = folder, started
+
+    def result(self) -> tuple[Path, subprocess.CompletedProcess]:
+        return self.folder, self.started.result()
+
+    def stop(self) -> None:
+        self.started.stop()
+
+
+class Together:
+    """Pieces of background work started at once, behind one fixture: result() is
+    {name: its result()}."""
+
+    def __init__(self, started: dict[str, Ran]):
+        self.started = started
+
+    def result(self) -> dict:
+        return {name: started.result() for name, started in self.started.items()}
+
+    def stop(self) -> None:
+        for started in self.started.values():
+            started.stop()
+
+
 def compose_train(*overrides: str) -> DictConfig:
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         return compose("train", overrides=[*CPU_SMALL, *overrides])

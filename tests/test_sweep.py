@@ -25,7 +25,7 @@ from omegaconf import OmegaConf
 from memexp import cli
 from memexp.result import GROUPS, mib
 
-from conftest import REPO, TRAIN_PY_ENV, Background, default_sigint, early
+from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, default_sigint, early
 from wandb_records import summary as wandb_summary
 
 pytestmark = pytest.mark.slow
@@ -72,25 +72,12 @@ def assert_serial(records: list[dict]) -> None:
         assert started >= finished
 
 
-class Read:
-    """A started sweep whose result is its folder and its CompletedProcess."""
-
-    def __init__(self, sweep_dir: Path, started: Background):
-        self.sweep_dir, self.started = sweep_dir, started
-
-    def result(self) -> tuple[Path, subprocess.CompletedProcess]:
-        return self.sweep_dir, self.started.result()
-
-    def stop(self) -> None:
-        self.started.stop()
-
-
-def read(folder: Path, name: str, *overrides: str, env: dict | None = None) -> Read:
-    return Read(folder / name, started_sweep(folder, name, *overrides, env=env))
+def read(folder: Path, name: str, *overrides: str, env: dict | None = None) -> Ran:
+    return Ran(folder / name, started_sweep(folder, name, *overrides, env=env))
 
 
 @early()
-def four_jobs(folder: Path) -> Read:
+def four_jobs(folder: Path) -> Ran:
     return read(folder, "four", *TINY, "logger=wandb", "precision=fp32,bf16",
                 "checkpointing=none,full")
 
@@ -183,7 +170,7 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path, capsys):
 
 
 @early()
-def chaos_sweep(folder: Path) -> Read:
+def chaos_sweep(folder: Path) -> Ran:
     return read(folder, "chaos", *TINY_DATA, "logger=wandb", "model=custom",
                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
 
@@ -266,7 +253,7 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
 
 
 @early()
-def cuda_sweep(folder: Path) -> Read:
+def cuda_sweep(folder: Path) -> Ran:
     return read(folder, "nocuda", *TINY, "trainer.device=cuda")
 
 
@@ -304,28 +291,23 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
-class UnreachableWandb:
+class UnreachableWandb(Together):
     """A one-job sweep for each way a wandb server is unreachable, started together:
     {how: (its folder, its CompletedProcess, the SilentServer or None)}."""
 
     def __init__(self, folder: Path):
-        self.started = {}
-        for how in ("refuses", "never answers"):
-            silent = SilentServer() if how == "never answers" else None
+        self.silent = {"refuses": None, "never answers": SilentServer()}
+        started = {}
+        for how, silent in self.silent.items():
             port = silent.port if silent else closed_port()
             env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
                    "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
             (folder / how).mkdir()
-            self.started[how] = (read(folder / how, "wandb", *TINY, "logger=wandb", env=env),
-                                 silent)
+            started[how] = read(folder / how, "wandb", *TINY, "logger=wandb", env=env)
+        super().__init__(started)
 
     def result(self) -> dict[str, tuple[Path, subprocess.CompletedProcess, SilentServer | None]]:
-        return {how: (*started.result(), silent)
-                for how, (started, silent) in self.started.items()}
-
-    def stop(self) -> None:
-        for started, _ in self.started.values():
-            started.stop()
+        return {how: (*ran, self.silent[how]) for how, ran in super().result().items()}
 
 
 @early()
@@ -349,7 +331,7 @@ def test_an_unreachable_wandb_server_never_fails_the_job(unreachable_wandb, serv
 
 
 @early()
-def bad_budget_sweep(folder: Path) -> Read:
+def bad_budget_sweep(folder: Path) -> Ran:
     return read(folder, "budget", *TINY, "report.budget=lots", "checkpointing=none,full")
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import REPO, TRAIN_PY_ENV, Background, early, train_py
+from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, early, train_py
 
 pytestmark = pytest.mark.slow
 
@@ -35,30 +35,17 @@ RUNS = {
 }
 
 
-class Runs:
+@early()
+def runs(folder: Path) -> Together:
     """The runs of RUNS, started together, each in folder/<its index> (its run folder `run`
     there): {name: (its folder, its CompletedProcess)}."""
-
-    def __init__(self, folder: Path):
-        self.started = {}
-        for index, (name, overrides) in enumerate(RUNS.items()):
-            (folder / str(index)).mkdir()
-            self.started[name] = (folder / str(index), Background(
-                train_py(folder / str(index), tuple(overrides)), folder / str(index),
-                TRAIN_PY_ENV, timeout=180))
-
-    def result(self) -> dict[str, tuple[Path, subprocess.CompletedProcess]]:
-        return {name: (folder, started.result())
-                for name, (folder, started) in self.started.items()}
-
-    def stop(self) -> None:
-        for _, started in self.started.values():
-            started.stop()
-
-
-@early()
-def runs(folder: Path) -> Runs:
-    return Runs(folder)
+    started = {}
+    for index, (name, overrides) in enumerate(RUNS.items()):
+        (folder / str(index)).mkdir()
+        started[name] = Ran(folder / str(index), Background(
+            train_py(folder / str(index), tuple(overrides)), folder / str(index), TRAIN_PY_ENV,
+            timeout=180))
+    return Together(started)
 
 
 def test_smoke_run_writes_a_complete_result(runs):
