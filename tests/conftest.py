@@ -71,6 +71,8 @@ class Early:
     def begin(self) -> object:
         """Start it where it has not started (the lane, or a test before the lane got to it)."""
         with self.lock:
+            if ENDED.is_set():
+                raise RuntimeError("the session has ended: no early work starts now")
             if self.started is None:
                 folder = Path(tempfile.mkdtemp(prefix=f"{self.start.__name__}-", dir=EARLY_ROOT))
                 self.started = self.start(folder)
@@ -80,6 +82,7 @@ class Early:
 EARLY: dict[str, Early] = {}
 EARLY_ROOT = tempfile.mkdtemp(prefix="memexp-tests-early-")
 LANE: queue.Queue[Early | None] = queue.Queue()
+ENDED = threading.Event()  # set at the session's end: nothing starts after it
 
 
 def early(lane: bool = True):
@@ -123,8 +126,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """What of the early work still runs (the session stopped before its tests) ends here."""
-    while not LANE.empty():  # nothing more starts
-        LANE.get_nowait()
+    ENDED.set()
     for work in EARLY.values():
         with work.lock:
             if work.started is not None:
