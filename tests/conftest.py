@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import os
+import queue
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -44,6 +48,140 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# -- slow work started at the session's start ----------------------------------------------------
+# The tests run one at a time, in one thread, and so do the runs they start (OMP_NUM_THREADS=1):
+# on 2 cores, one is idle most of the time. Sweeps whose tests only read what they left start as
+# soon as the session's tests are known, one at a time in a lane of their own beside the tests
+# before theirs; a test that comes to one not started yet runs it itself. SLURM's sweeps, which
+# mostly wait for the cluster's timers, start at once, outside the lane.
+
+
+class Early:
+    """Slow work behind a module-scoped fixture (`early`): `start(folder)` starts it and returns
+    an object whose `result()` waits for it and gives the fixture's value, and whose `stop()`
+    ends what of it still runs (a session stopped early)."""
+
+    def __init__(self, start: Callable[[Path], object], lane: bool):
+        self.start, self.lane = start, lane
+        self.started: object | None = None
+        self.lock = threading.Lock()
+
+    def begin(self) -> object:
+        """Start it where it has not started (the lane, or a test before the lane got to it)."""
+        with self.lock:
+            if ENDED.is_set():
+                raise RuntimeError("the session has ended: no early work starts now")
+            if self.started is None:
+                folder = Path(tempfile.mkdtemp(prefix=f"{self.start.__name__}-", dir=EARLY_ROOT))
+                self.started = self.start(folder)
+            return self.started
+
+
+EARLY: dict[str, Early] = {}
+EARLY_ROOT = tempfile.mkdtemp(prefix="memexp-tests-early-")
+LANE: queue.Queue[Early | None] = queue.Queue()
+ENDED = threading.Event()  # set at the session's end: nothing starts after it
+
+
+def early(lane: bool = True):
+    """A module-scoped fixture, named as the decorated `start(folder)`, whose work begins when
+    the session's tests are known (pytest_collection_finish) where a selected test uses it: in
+    the lane where `lane` (it keeps a core busy), at once otherwise (it mostly waits)."""
+
+    def register(start: Callable[[Path], object]):
+        assert start.__name__ not in EARLY, f"two early fixtures named {start.__name__}"
+        EARLY[start.__name__] = work = Early(start, lane)
+
+        @pytest.fixture(scope="module", name=start.__name__)
+        def fixture():
+            return work.begin().result()
+
+        return fixture
+
+    return register
+
+
+def run_lane() -> None:
+    """The lane's work, one at a time: each to its end before the next begins."""
+    while (work := LANE.get()) is not None:
+        try:
+            work.begin().result()
+        except BaseException:  # a failure (or a skip) is the test's to report, when it reads it
+            pass
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
+    chosen = [work for name, work in EARLY.items() if name in used]
+    for work in chosen:
+        if work.lane:
+            LANE.put(work)
+        else:
+            work.begin()
+    LANE.put(None)
+    threading.Thread(target=run_lane, name="early lane", daemon=True).start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """What of the early work still runs (the session stopped before its tests) ends here."""
+    ENDED.set()
+    for work in EARLY.values():
+        with work.lock:
+            if work.started is not None:
+                work.started.stop()
+    shutil.rmtree(EARLY_ROOT, ignore_errors=True)
+
+
+class Background:
+    """A command started in its own session (a test's signal to its own process group never
+    reaches it), its output in files; `result()` is its CompletedProcess."""
+
+    def __init__(self, command: list[str], folder: Path, env: dict, timeout: float = 400):
+        self.command, self.timeout = command, timeout
+        self.out, self.err = folder / "stdout", folder / "stderr"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(command, stdout=out, stderr=err, cwd=folder,
+                                            env=env, start_new_session=True)
+
+    def result(self) -> subprocess.CompletedProcess:
+        code = self.process.wait(timeout=self.timeout)
+        return subprocess.CompletedProcess(self.command, code, self.out.read_text(),
+                                           self.err.read_text())
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGKILL)
+            self.process.wait()
+
+
+class Ran:
+    """Background work in `folder`: result() is (folder, its CompletedProcess)."""
+
+    def __init__(self, folder: Path, started: Background):
+        self.folder, self.started = folder, started
+
+    def result(self) -> tuple[Path, subprocess.CompletedProcess]:
+        return self.folder, self.started.result()
+
+    def stop(self) -> None:
+        self.started.stop()
+
+
+class Together:
+    """Pieces of background work started at once, behind one fixture: result() is
+    {name: its result()}."""
+
+    def __init__(self, started: dict[str, Ran]):
+        self.started = started
+
+    def result(self) -> dict:
+        return {name: started.result() for name, started in self.started.items()}
+
+    def stop(self) -> None:
+        for started in self.started.values():
+            started.stop()
 
 
 def compose_train(*overrides: str) -> DictConfig:

@@ -3,7 +3,8 @@
 `make test` brings up a one-node cluster on this machine where it can (scripts/slurm-local: root,
 Debian or Ubuntu, the package registry reachable) and stops it afterwards; elsewhere these tests
 are skipped, with the reason. The sweeps start together (SLURM queues their jobs on the node's
-CPUs) and the tests read what they left:
+CPUs) as soon as the session's tests are known, beside the tests before these (tests/conftest.py,
+`early`), and the tests read what they left:
 
 - chaos: 3 jobs as one array. Job 0 trains 6 steps. Jobs 1 and 2 wait at step 4, after a
   checkpoint at step 3, for what comes: job 1 gets the signal SLURM sends at a time limit (sent
@@ -23,6 +24,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +32,7 @@ from pathlib import Path
 import pytest
 
 from chaos import holding
-from conftest import REPO, submitit_log_lines
+from conftest import REPO, early, submitit_log_lines
 
 pytestmark = [pytest.mark.slurm, pytest.mark.slow]
 
@@ -97,33 +99,54 @@ def start(folder: Path, overrides: list[str]) -> subprocess.Popen:
             stdout=log, stderr=subprocess.STDOUT, cwd=folder.parent, env=environment)
 
 
-@pytest.fixture(scope="module")
-def sweeps(tmp_path_factory) -> dict[str, Sweep]:
-    reason = no_cluster()
-    if reason:
-        pytest.skip(reason)
-    root = tmp_path_factory.mktemp("slurm")
-    running = {name: start(root / name, overrides)
-               for name, overrides in sweeps_in(root).items()}
-    acted, deadline = set(), time.monotonic() + 900
-    try:
-        while any(p.poll() is None for p in running.values()) and time.monotonic() < deadline:
-            for hold in holding(root / "holds"):
-                task = hold["SLURM_ARRAY_TASK_ID"]
-                job = f"{hold['SLURM_ARRAY_JOB_ID']}_{task}"
-                if job not in acted:
-                    subprocess.run(["scancel", *ACTIONS[task], job], check=True, timeout=60)
-                    acted.add(job)
-            time.sleep(1)
-    finally:  # a sweep that did not end in time leaves nothing behind, here or on the cluster
-        stuck = [process for process in running.values() if process.poll() is None]
+class Sweeps:
+    """The sweeps above, started together; a thread acts on the chaos jobs as they wait, until
+    every sweep has ended (or 900 s have passed: then what still runs is stopped)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.skip = no_cluster()
+        self.running = ({} if self.skip else
+                        {name: start(root / name, overrides)
+                         for name, overrides in sweeps_in(root).items()})
+        self.thread = threading.Thread(target=self.drive, name="slurm sweeps", daemon=True)
+        self.thread.start()
+
+    def drive(self) -> None:
+        acted, deadline = set(), time.monotonic() + 900
+        try:
+            while (any(p.poll() is None for p in self.running.values())
+                   and time.monotonic() < deadline):
+                for hold in holding(self.root / "holds"):
+                    task = hold["SLURM_ARRAY_TASK_ID"]
+                    job = f"{hold['SLURM_ARRAY_JOB_ID']}_{task}"
+                    if job not in acted:
+                        subprocess.run(["scancel", *ACTIONS[task], job], check=True, timeout=60)
+                        acted.add(job)
+                time.sleep(1)
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """A sweep that did not end in time leaves nothing behind, here or on the cluster."""
+        stuck = [process for process in self.running.values() if process.poll() is None]
         for process in stuck:
             process.kill()
         if stuck:
             subprocess.run(["scancel", f"--name={NAME}"], timeout=60)
-    return {name: Sweep(root / name, process.wait(),
-                        (root / f"{name}.log").read_text())
-            for name, process in running.items()}
+
+    def result(self) -> dict[str, Sweep]:
+        if self.skip:
+            pytest.skip(self.skip)
+        self.thread.join()
+        return {name: Sweep(self.root / name, process.wait(),
+                            (self.root / f"{name}.log").read_text())
+                for name, process in self.running.items()}
+
+
+@early(lane=False)  # they wait for SLURM's timers, beside the tests before these
+def sweeps(root: Path) -> Sweeps:
+    return Sweeps(root)
 
 
 def test_a_three_job_sweep_is_one_array_with_its_report(sweeps):

@@ -22,9 +22,10 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
+from memexp import cli
 from memexp.result import GROUPS, mib
 
-from conftest import REPO, TRAIN_PY_ENV, default_sigint
+from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, default_sigint, early
 from wandb_records import summary as wandb_summary
 
 pytestmark = pytest.mark.slow
@@ -37,14 +38,26 @@ TESTS = Path(__file__).resolve().parent
 def sweep(sweep_dir: Path, *overrides: str, env: dict | None = None,
           timeout: float = 400) -> subprocess.CompletedProcess:
     """`python train.py -m ...` in a subprocess; tests/ is importable (for chaos.Chaos)."""
+    return subprocess.run(sweep_command(sweep_dir, overrides), capture_output=True, text=True,
+                          timeout=timeout, cwd=sweep_dir.parent, env=sweep_env(env))
+
+
+def started_sweep(folder: Path, name: str, *overrides: str,
+                  env: dict | None = None) -> Background:
+    """sweep(), started in the background (an `early` fixture's), its folder folder/name."""
+    return Background(sweep_command(folder / name, overrides), folder, sweep_env(env))
+
+
+def sweep_command(sweep_dir: Path, overrides: tuple[str, ...]) -> list[str]:
+    return [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
+            *overrides]
+
+
+def sweep_env(env: dict | None) -> dict:
     environment = {**os.environ, "PYTHONPATH": str(TESTS), "HYDRA_FULL_ERROR": "0"}
     environment.pop("WANDB_MODE", None)  # the developer's own setting must not leak in
     environment.update(env or {})
-    return subprocess.run(
-        [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
-         *overrides],
-        capture_output=True, text=True, timeout=timeout, cwd=sweep_dir.parent, env=environment,
-    )
+    return environment
 
 
 def results(sweep_dir: Path) -> dict[str, dict]:
@@ -59,12 +72,14 @@ def assert_serial(records: list[dict]) -> None:
         assert started >= finished
 
 
-@pytest.fixture(scope="module")
-def four_jobs(tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
-    sweep_dir = tmp_path_factory.mktemp("sweep") / "four"
-    done = sweep(sweep_dir, *TINY, "logger=wandb", "precision=fp32,bf16",
-                 "checkpointing=none,full")
-    return sweep_dir, done
+def read(folder: Path, name: str, *overrides: str, env: dict | None = None) -> Ran:
+    return Ran(folder / name, started_sweep(folder, name, *overrides, env=env))
+
+
+@early()
+def four_jobs(folder: Path) -> Ran:
+    return read(folder, "four", *TINY, "logger=wandb", "precision=fp32,bf16",
+                "checkpointing=none,full")
 
 
 def test_a_four_job_sweep_writes_every_result_and_the_report(four_jobs):
@@ -136,7 +151,8 @@ def test_each_job_is_an_offline_wandb_run_in_the_sweeps_group(four_jobs):
     assert len(table["data"]) == 4 and "peak_mib" in table["columns"]
 
 
-def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
+def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path, capsys):
+    """In this process; `python -m memexp.cli report` as a command: tests/test_reading_records."""
     sweep_dir, _ = four_jobs
     partial = tmp_path / "partial"
     for job in ("0", "2"):
@@ -145,20 +161,23 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path):
     running.update(status="running", memory=None, metrics=None, finished_at=None)
     (partial / "1").mkdir()
     (partial / "1" / "result.json").write_text(json.dumps(running))
-    done = subprocess.run([sys.executable, "-m", "memexp.cli", "report", str(partial),
-                           "--budget", "64MiB"], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "| 1 |" in done.stdout and "running" in done.stdout
-    assert "fastest that fits" in done.stdout
+    assert cli.main(["report", str(partial), "--budget", "64MiB"]) == 0
+    printed = capsys.readouterr().out
+    assert "| 1 |" in printed and "running" in printed
+    assert "fastest that fits" in printed
     with open(partial / "report.csv") as f:
         assert [row["status"] for row in csv.DictReader(f)] == ["ok", "running", "ok"]
 
 
-def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
+@early()
+def chaos_sweep(folder: Path) -> Ran:
+    return read(folder, "chaos", *TINY_DATA, "logger=wandb", "model=custom",
+                "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+
+
+def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
     """Jobs that raise, run out of memory, diverge, are SIGKILLed, or succeed, in one sweep."""
-    sweep_dir = tmp_path / "chaos"
-    done = sweep(sweep_dir, *TINY_DATA, "logger=wandb", "model=custom",
-                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+    sweep_dir, done = chaos_sweep
     assert done.returncode != 0  # the sweep says that some jobs failed
     assert ("4 of 6 jobs did not succeed: job 1 failed, job 2 oom, job 3 nan, job 4 killed"
             in done.stderr)
@@ -233,10 +252,14 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
                 os.killpg(process.pid, signal.SIGKILL)
 
 
+@early()
+def cuda_sweep(folder: Path) -> Ran:
+    return read(folder, "nocuda", *TINY, "trainer.device=cuda")
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_a_job_asking_for_cuda_without_a_gpu_fails_loudly(tmp_path):
-    sweep_dir = tmp_path / "nocuda"
-    done = sweep(sweep_dir, *TINY, "trainer.device=cuda")
+def test_a_job_asking_for_cuda_without_a_gpu_fails_loudly(cuda_sweep):
+    sweep_dir, done = cuda_sweep
     assert done.returncode != 0
     result = results(sweep_dir)["0"]
     assert result["status"] == "failed"
@@ -268,15 +291,35 @@ def closed_port() -> int:
         return probe.getsockname()[1]
 
 
+class UnreachableWandb(Together):
+    """A one-job sweep for each way a wandb server is unreachable, started together:
+    {how: (its folder, its CompletedProcess, the SilentServer or None)}."""
+
+    def __init__(self, folder: Path):
+        self.silent = {"refuses": None, "never answers": SilentServer()}
+        started = {}
+        for how, silent in self.silent.items():
+            port = silent.port if silent else closed_port()
+            env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
+                   "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
+            (folder / how).mkdir()
+            started[how] = read(folder / how, "wandb", *TINY, "logger=wandb", env=env)
+        super().__init__(started)
+
+    def result(self) -> dict[str, tuple[Path, subprocess.CompletedProcess, SilentServer | None]]:
+        return {how: (*ran, self.silent[how]) for how, ran in super().result().items()}
+
+
+@early()
+def unreachable_wandb(folder: Path) -> UnreachableWandb:
+    return UnreachableWandb(folder)
+
+
 @pytest.mark.parametrize("server", ["refuses", "never answers"])
-def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
-    silent = SilentServer() if server == "never answers" else None
-    port = silent.port if silent else closed_port()
-    env = {"WANDB_MODE": "online", "WANDB_API_KEY": "x" * 40,
-           "WANDB_BASE_URL": f"http://127.0.0.1:{port}"}
-    done = sweep(tmp_path / "wandb", *TINY, "logger=wandb", env=env)
+def test_an_unreachable_wandb_server_never_fails_the_job(unreachable_wandb, server):
+    sweep_dir, done, silent = unreachable_wandb[server]
     assert done.returncode == 0, done.stderr[-3000:]
-    result = results(tmp_path / "wandb")["0"]
+    result = results(sweep_dir)["0"]
     assert result["status"] == "ok"
     assert result["logger"]["wandb"]["mode"] == "offline"
     assert "unreachable" in result["logger"]["wandb"]["why"]
@@ -287,9 +330,13 @@ def test_an_unreachable_wandb_server_never_fails_the_job(tmp_path, server):
         assert len(silent.held) == 2
 
 
-def test_a_bad_budget_stops_the_sweep_before_any_job_runs(tmp_path):
-    sweep_dir = tmp_path / "budget"
-    done = sweep(sweep_dir, *TINY, "report.budget=lots", "checkpointing=none,full")
+@early()
+def bad_budget_sweep(folder: Path) -> Ran:
+    return read(folder, "budget", *TINY, "report.budget=lots", "checkpointing=none,full")
+
+
+def test_a_bad_budget_stops_the_sweep_before_any_job_runs(bad_budget_sweep):
+    sweep_dir, done = bad_budget_sweep
     assert done.returncode != 0
     assert "report.budget=lots: expected a positive size such as 12GiB" in done.stderr
     assert not list(sweep_dir.glob("*/result.json"))

@@ -7,22 +7,51 @@ import os
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import REPO, TRAIN_PY_ENV, run_train_py
+from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, early, train_py
 
 pytestmark = pytest.mark.slow
 
 SMOKE = ["debug=fast", "model.width=8", "data.batch_size=16", "trainer.device=cpu"]
 BREAKDOWN = {"params", "grads", "optimizer", "activations", "other"}
+BAD_INPUT = [
+    ("precision=bogus", ["memexp: precision=bogus: there is no such option",
+                         "  valid choices for precision: amp, bf16, bf16_pure, fp16_pure, "
+                         "fp32, tf32"]),
+    ("trainer.max_steps=abc", ["memexp: trainer.max_steps=abc: Value 'abc' of type 'str' "
+                               "could not be converted to Integer"]),
+]
+# What the tests below read, by name: the overrides of each `python train.py` run.
+RUNS = {
+    "smoke": SMOKE,
+    **{override: [*SMOKE, override] for override, _ in BAD_INPUT},
+    "own check": [*SMOKE, "optim.lr=-1"],
+    "help": ["--help"],
+    "cuda": [*SMOKE[:-1], "trainer.device=cuda"],
+}
 
 
-def test_smoke_run_writes_a_complete_result(tmp_path):
-    done = run_train_py(tmp_path, *SMOKE)
+@early()
+def runs(folder: Path) -> Together:
+    """The runs of RUNS, started together, each in folder/<its index> (its run folder `run`
+    there): {name: (its folder, its CompletedProcess)}."""
+    started = {}
+    for index, (name, overrides) in enumerate(RUNS.items()):
+        (folder / str(index)).mkdir()
+        started[name] = Ran(folder / str(index), Background(
+            train_py(folder / str(index), tuple(overrides)), folder / str(index), TRAIN_PY_ENV,
+            timeout=180))
+    return Together(started)
+
+
+def test_smoke_run_writes_a_complete_result(runs):
+    folder, done = runs["smoke"]
     assert done.returncode == 0, done.stderr[-3000:]
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    result = json.loads((folder / "run" / "result.json").read_text())
 
     assert result["status"] == "ok" and result["error"] is None
     assert result["techniques"] == {"precision": "fp32", "checkpointing": "none", "optim": "sgd",
@@ -45,39 +74,30 @@ def test_smoke_run_writes_a_complete_result(tmp_path):
     assert "peak memory" in done.stderr + done.stdout
 
 
-@pytest.mark.parametrize(
-    ("override", "says"),
-    [
-        ("precision=bogus", ["memexp: precision=bogus: there is no such option",
-                             "  valid choices for precision: amp, bf16, bf16_pure, fp16_pure, "
-                             "fp32, tf32"]),
-        ("trainer.max_steps=abc", ["memexp: trainer.max_steps=abc: Value 'abc' of type 'str' "
-                                   "could not be converted to Integer"]),
-    ],
-)
-def test_bad_input_is_told_once_in_a_few_lines_and_claims_no_success(tmp_path, override, says):
-    done = run_train_py(tmp_path, *SMOKE, override)
+@pytest.mark.parametrize(("override", "says"), BAD_INPUT)
+def test_bad_input_is_told_once_in_a_few_lines_and_claims_no_success(runs, override, says):
+    folder, done = runs[override]
     assert done.returncode != 0
     lines = done.stderr.splitlines()  # the message, then the valid choices, and nothing else
     assert len(lines) == len(says) and not done.stdout
     assert all(line.startswith(start) for line, start in zip(lines, says, strict=True))
-    assert not (tmp_path / "run" / "result.json").exists()
+    assert not (folder / "run" / "result.json").exists()
 
 
-def test_a_techniques_own_check_is_told_once_by_the_run_summary(tmp_path):
-    done = run_train_py(tmp_path, *SMOKE, "optim.lr=-1")
+def test_a_techniques_own_check_is_told_once_by_the_run_summary(runs):
+    folder, done = runs["own check"]
     assert done.returncode == 1
     output = done.stdout + done.stderr
     assert output.count("the learning rate must be positive") == 1
     assert "Traceback" not in output and "Error executing job" not in output
     assert "  error        ValueError: optim.lr=-1.0: the learning rate must be positive" in output
     assert len(output.strip().splitlines()) <= 6
-    recorded = json.loads((tmp_path / "run" / "result.json").read_text())
+    recorded = json.loads((folder / "run" / "result.json").read_text())
     assert recorded["status"] == "failed" and "Traceback" in recorded["error"]
 
 
-def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(tmp_path):
-    done = run_train_py(tmp_path, "--help")
+def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(runs):
+    _, done = runs["help"]
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("memexp: which memory-saving techniques make a model fit")
     assert "powered by Hydra" not in done.stdout and "schema/" not in done.stdout
@@ -132,9 +152,9 @@ def test_a_finished_run_exits_without_finalization_but_loses_nothing(case):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-def test_cuda_request_without_a_gpu_fails_and_records_it(tmp_path):
-    done = run_train_py(tmp_path, *SMOKE[:-1], "trainer.device=cuda")
+def test_cuda_request_without_a_gpu_fails_and_records_it(runs):
+    folder, done = runs["cuda"]
     assert done.returncode != 0
-    result = json.loads((tmp_path / "run" / "result.json").read_text())
+    result = json.loads((folder / "run" / "result.json").read_text())
     assert result["status"] == "failed"
     assert "trainer.device=cuda" in result["error"]
