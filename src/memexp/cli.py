@@ -62,9 +62,10 @@ def estimate(args: argparse.Namespace) -> int:
     from memexp.estimate import estimate as predict
 
     cfg = compose_config(args.overrides)
-    result = predict(cfg, target=args.target, gpu_key=gpu_for(args))
+    result = predict(cfg, target=args.target, gpu_key=gpu_for(args), world_size=args.world_size)
     if args.json:
         print(json.dumps({"memory": result.memory, "parameters": result.parameters,
+                          "rank": result.rank, "world_size": result.world_size,
                           "flops_per_step": result.flops, "seconds": result.seconds,
                           "target": result.target, "trace": result.trace, "gpu": result.gpu,
                           "torch": result.torch, "attention": attention_kernels(result)},
@@ -131,6 +132,10 @@ def main(argv: list[str] | None = None) -> int:
     estimate_parser.add_argument("--gpu", choices=sorted(GPUS), metavar="GPU",
                                  help="the GPU a cuda estimate is for (default h100): "
                                       + ", ".join(GPUS))
+    estimate_parser.add_argument(
+        "--world-size", type=int, metavar="N",
+        help="ranks of parallel=ddp|zero1|fsdp (default trainer.nproc): the peak of the rank "
+             "with the most, traced alone on torch's fake process group")
     estimate_parser.add_argument("--json", action="store_true", help="print JSON")
     estimate_parser.set_defaults(handler=estimate)
     batch_parser = commands.add_parser(
