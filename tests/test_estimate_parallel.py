@@ -85,3 +85,23 @@ def test_the_world_size_is_refused_where_it_cannot_be_estimated(capsys):
         assert "already in one" in capsys.readouterr().err
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_plan_at_world_size_2_picks_a_sharded_plan_that_fits_when_run(tmp_path, monkeypatch,
+                                                                      capsys):
+    """Per rank, ddp needs 2.93 MiB, zero1 2.51 and fsdp 2.49 (estimated): in 2.7 MiB zero1,
+    the least communicated option that fits, is the plan; run with trainer.nproc=2, its
+    largest rank is measured at its estimate."""
+    monkeypatch.chdir(tmp_path)  # the plan folder, outputs/plans
+    assert cli.main(["plan", "budget=2.7MiB", *CPU_SMALL, *SMALL_GPT, "precision=fp32",
+                     "optim=adamw", "checkpointing=none", "optim.accumulate=1",
+                     "--world-size", "2", "--verify", "1", "--verify-steps", "2"]) == 0
+    out, err = capsys.readouterr()
+    assert "over  precision=fp32 optim=adamw" in err and "parallel=ddp" in err  # tried first
+    assert "fit in 2.7MiB per rank, on 2 ranks" in out
+    plans = out[out.index("command\n"):].splitlines()
+    assert "parallel=zero1 trainer.nproc=2" in plans[1]
+    verified = out[out.index("verified in"):].splitlines()[2].split()
+    ratio, status = float(verified[-2]), verified[-1]
+    assert status == "ok" and ratio == pytest.approx(1, abs=0.02)

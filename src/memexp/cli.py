@@ -86,6 +86,18 @@ def find_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def world_sizes(given: str) -> tuple[int, ...]:
+    """--world-size 8, or 2,4,8 (the smallest that fits): each a number of ranks >= 1."""
+    try:
+        sizes = tuple(int(size) for size in given.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--world-size {given}: expected a number of ranks >= 1, or several "
+                         "separated by commas (2,4,8: the smallest that fits)")
+    return sizes
+
+
 def plan(args: argparse.Namespace) -> int:
     from memexp import plan as planner
 
@@ -100,7 +112,8 @@ def plan(args: argparse.Namespace) -> int:
     budget = budgets[0]
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
     plans = planner.plan(arguments, budget, args.target, gpu_for(args), args.allow_changes,
-                         show=lambda line: print(line, file=sys.stderr, flush=True))
+                         show=lambda line: print(line, file=sys.stderr, flush=True),
+                         world_sizes=world_sizes(args.world_size))
     print(planner.describe(arguments, budget, plans, args.allow_changes))
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
@@ -159,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "BatchNorm statistics, pure half precision, another optimizer, "
                                   "accumulation with BatchNorm) by cost with the rest, instead "
                                   "of after every plan that keeps the math")
+    plan_parser.add_argument("--world-size", default="1", metavar="N",
+                             help="ranks to plan for: parallel=ddp, zero1 and fsdp are searched "
+                                  "too, per rank; 2,4,8 plans for the smallest that fits")
     plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
                              help="run the K cheapest plans for real and compare")
     plan_parser.add_argument("--verify-steps", type=int, default=5,

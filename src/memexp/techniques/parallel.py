@@ -35,6 +35,8 @@ class Parallel(Protocol):
     distributed: bool
     # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
+    # memexp plan tries the options from the cheapest (the least communicated) up
+    cost_rank: int
     found: Blocks | None  # the blocks it resolved (fsdp's units)
     changed: Mapping[str, nn.Module]  # the modules it wrapped, by name
 
@@ -75,6 +77,7 @@ class NoParallel:
     world_size = 1
     distributed = False
     estimable = True
+    cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
     found = None
     changed = NOTHING
 
@@ -166,6 +169,8 @@ class DDP(_OnProcessGroup):
     """DistributedDataParallel: every rank holds the whole model and optimizer; gradients are
     averaged across ranks during backward, bucket by bucket."""
 
+    cost_rank = 1  # an all-reduce of the gradients, overlapped with backward
+
     def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         if not on_fake_group():
             self._model = nn.parallel.DistributedDataParallel(model)
@@ -191,6 +196,8 @@ class ZeRO1(DDP):
     """ZeRO stage 1: DDP, with the optimizer state sharded across ranks
     (torch.distributed.optim.ZeroRedundancyOptimizer); each rank steps its share of the
     parameters and broadcasts them to the others."""
+
+    cost_rank = 2  # DDP's all-reduce, and a broadcast of the parameters after the step
 
     def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
@@ -250,6 +257,7 @@ class FSDP(_OnProcessGroup):
     Under precision=amp or bf16, parameters are gathered in that dtype and gradients reduced in
     fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
 
+    cost_rank = 3  # every block's parameters gathered in forward and again in backward
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)
