@@ -139,8 +139,8 @@ def test_the_cli_prints_the_breakdown_and_refuses_bad_input(capsys):
     assert cli.main(["estimate", "precision=bogus"]) == 2
     err = capsys.readouterr().err
     assert "precision=bogus: there is no such option" in err and "bf16_pure" in err
-    assert cli.main(["estimate", "model=mlp", "parallel=fsdp"]) == 2
-    assert "not estimated yet" in capsys.readouterr().err
+    assert cli.main(["estimate", "model=mlp", "--world-size", "2"]) == 2
+    assert "--world-size 2 with parallel=none" in capsys.readouterr().err
 
 
 # -- the CUDA caching allocator model -------------------------------------------------------

@@ -66,9 +66,10 @@ def estimate(args: argparse.Namespace) -> int:
     from memexp.estimate import estimate as predict
 
     cfg = compose_config(args.overrides)
-    result = predict(cfg, target=args.target, gpu_key=gpu_for(args))
+    result = predict(cfg, target=args.target, gpu_key=gpu_for(args), world_size=args.world_size)
     if args.json:
         print(json.dumps({"memory": result.memory, "parameters": result.parameters,
+                          "rank": result.rank, "world_size": result.world_size,
                           "flops_per_step": result.flops, "seconds": result.seconds,
                           "target": result.target, "trace": result.trace, "gpu": result.gpu,
                           "torch": result.torch, "attention": attention_kernels(result),
@@ -90,6 +91,18 @@ def find_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def world_sizes(given: str) -> tuple[int, ...]:
+    """--world-size 8, or 2,4,8 (the smallest that fits): each a number of ranks >= 1."""
+    try:
+        sizes = tuple(int(size) for size in given.split(","))
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--world-size {given}: expected a number of ranks >= 1, or several "
+                         "separated by commas (2,4,8: the smallest that fits)")
+    return sizes
+
+
 def plan(args: argparse.Namespace) -> int:
     from memexp import plan as planner
 
@@ -104,7 +117,8 @@ def plan(args: argparse.Namespace) -> int:
     budget = budgets[0]
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
     plans = planner.plan(arguments, budget, args.target, gpu_for(args), args.allow_changes,
-                         show=lambda line: print(line, file=sys.stderr, flush=True))
+                         show=lambda line: print(line, file=sys.stderr, flush=True),
+                         world_sizes=world_sizes(args.world_size))
     print(planner.describe(arguments, budget, plans, args.allow_changes))
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
@@ -136,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
     estimate_parser.add_argument("--gpu", choices=sorted(GPUS), metavar="GPU",
                                  help="the GPU a cuda estimate is for (default h100): "
                                       + ", ".join(GPUS))
+    estimate_parser.add_argument(
+        "--world-size", type=int, metavar="N",
+        help="ranks of parallel=ddp|zero1|fsdp (default trainer.nproc): the peak of the rank "
+             "with the most, traced alone on torch's fake process group")
     estimate_parser.add_argument("--json", action="store_true", help="print JSON")
     estimate_parser.set_defaults(handler=estimate)
     batch_parser = commands.add_parser(
@@ -159,6 +177,9 @@ def main(argv: list[str] | None = None) -> int:
                                   "BatchNorm statistics, pure half precision, another optimizer, "
                                   "accumulation with BatchNorm) by cost with the rest, instead "
                                   "of after every plan that keeps the math")
+    plan_parser.add_argument("--world-size", default="1", metavar="N",
+                             help="ranks to plan for: parallel=ddp, zero1 and fsdp are searched "
+                                  "too, per rank; 2,4,8 plans for the smallest that fits")
     plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
                              help="run the K cheapest plans for real and compare")
     plan_parser.add_argument("--verify-steps", type=int, default=5,

@@ -68,7 +68,7 @@ from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memexp import cudatrace
+from memexp import cudatrace, estimate_parallel
 from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
@@ -349,14 +349,37 @@ class Estimate:
     # a CUDA trace's device: its name and capability, the driver libraries the trace process
     # loaded, and the CUDA runtime calls the fake device answered
     device: dict = field(default_factory=dict)
+    # the rank traced, of how many (memexp.estimate_parallel); the rank its parallel option
+    # says holds the most; and, where two ranks were traced, the other's rank and peak
+    rank: int = 0
+    world_size: int = 1
+    heaviest_rank: int = 0
+    other_rank: dict | None = None
 
 
-def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100") -> Estimate:
+def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
+             world_size: int | None = None) -> Estimate:
     """Predict the peak memory of the run `cfg` describes, on a CPU or on the GPU `gpu_key`
-    (memexp.gpus; for target="cuda")."""
+    (memexp.gpus; for target="cuda"): of its one process, or, for a parallel option, of its
+    rank with the largest peak among `world_size` ranks (trainer.nproc by default)."""
     if target not in ("cpu", "cuda"):
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
-    check_estimable(get_class(cfg.parallel._target_))
+    parallel = get_class(cfg.parallel._target_)
+    world_size = cfg.trainer.nproc if world_size is None else world_size
+    check_estimable(parallel, world_size)
+    if not parallel.distributed:
+        return one_process(cfg, target, gpu_key)
+    if target == "cuda" and (torch.cuda.is_available() or cudatrace.cuda_python() is not None):
+        raise ValueError(
+            f"parallel={cfg.parallel._target_.rsplit('.', 1)[-1].lower()} --target cuda: the "
+            "ranks are traced on torch's fake process group, which the CUDA trace process does "
+            "not join yet. MEMEXP_CUDA_PYTHON=none estimates them on the CPU stand-in (the "
+            "caching allocator modelled, CUDA's own kernel choices not seen)")
+    return estimate_parallel.on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
+
+
+def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:
+    """The estimate of the one process, or the one rank, that this process is."""
     if target == "cpu":
         return trace(cfg, "cpu")
     device = gpu(gpu_key)
@@ -421,6 +444,8 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         target="cpu" if device is None else "cuda",
         trace=kernels if device is None or kernels == "cuda" else "cpu stand-in",
         gpu=None if device is None else device.key,
+        rank=trainer.parallel.rank, world_size=trainer.parallel.world_size,
+        heaviest_rank=trainer.parallel.heaviest_rank(),
         ops={phase: {op: sorted(dtypes) for op, dtypes in sorted(ops.items())}
              for phase, ops in flops.ops.items()})
 
@@ -528,9 +553,11 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
     """The estimate for people: the peak, and each phase's peak by category; for CUDA also
     the trace used, the attention kernel, and what no trace shows."""
     memory = result.memory
+    per_rank = " per rank" if result.world_size > 1 else ""
     lines = [f"memexp estimate for {device_label(result)}: {result.parameters / 1e6:,.1f}M "
-             f"parameters, batch {cfg.data.batch_size} x accumulate {cfg.optim.accumulate} "
-             f"({result.seconds:.1f} s, nothing allocated)"]
+             f"parameters, batch {cfg.data.batch_size}{per_rank} x accumulate "
+             f"{cfg.optim.accumulate} ({result.seconds:.1f} s, nothing allocated)"]
+    lines += estimate_parallel.rank_lines(result)
     if result.target == "cuda":
         lines += cuda_lines(result)
     else:

@@ -8,6 +8,12 @@ computed" choice the planner walks the "how much is kept" choices from the cheap
 recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
 for the same result.
 
+With a world size above 1 (`--world-size N`), parallel=ddp, zero1 and fsdp are searched too, each
+estimated for its rank with the largest peak (memexp.estimate_parallel), and run with
+trainer.nproc=N. Within each recomputation level, the fewest micro-batches are tried first, then
+the parallel options from the least communicated (each class's `cost_rank`).
+Given several world sizes (`--world-size 2,4,8`), the plan is for the smallest at which one fits.
+
 Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
 data.batch_size / k samples (only for k that divide the batch).
 
@@ -35,21 +41,22 @@ from pathlib import Path
 import torch
 from hydra import compose, initialize_config_dir
 from hydra.utils import get_class
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from memexp import registry
-from memexp.app import run_config
+from memexp.app import Job, run_job
 from memexp.build import build, build_model
 from memexp.config import config_dir
 from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
+from memexp.techniques.parallel import NoParallel
 
 # The searched groups: what is computed, then how much is kept.
 COMPUTED = ("precision", "optim", "bn_mode")
-KEPT = ("checkpointing", "optim.accumulate")
+KEPT = ("checkpointing", "parallel", "optim.accumulate")
 ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
 
@@ -58,6 +65,7 @@ class Plan:
     overrides: list[str]  # the technique overrides, beyond the user's own
     precision: str
     accumulate: int
+    communication_rank: int  # the parallel option's cost_rank (0: one process)
     estimate: Estimate
     recompute_flops: int
     numerics_rank: int  # the precision option's (0: fp32)
@@ -72,7 +80,7 @@ class Plan:
 
     def cost(self) -> tuple:
         return (self.recompute_flops, self.estimate.memory.get("offloaded_peak_bytes", 0),
-                self.accumulate, self.numerics_rank, self.peak_bytes)
+                self.accumulate, self.communication_rank, self.numerics_rank, self.peak_bytes)
 
 
 def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
@@ -87,8 +95,8 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
     return fixed, searched
 
 
-def search_space(cfg: DictConfig, optim: str,
-                 searched: dict[str, list[str]]) -> dict[str, list[str]]:
+def search_space(cfg: DictConfig, optim: str, searched: dict[str, list[str]],
+                 world_size: int = 1) -> dict[str, list[str]]:
     space = {}
     for group in (*COMPUTED, *KEPT):
         if group in searched:
@@ -96,6 +104,8 @@ def search_space(cfg: DictConfig, optim: str,
         elif group == "optim":
             space[group] = [optim, *(name for lighter in get_class(cfg.optim._target_).lighter
                                      for name in registry.options_of("optim", lighter))]
+        elif group == "parallel" and world_size == 1:
+            space[group] = [registry.options_of("parallel", NoParallel)[0]]
         elif group == "optim.accumulate":
             space[group] = ACCUMULATE
         elif group == "bn_mode" and not has_batch_norm(cfg):
@@ -121,13 +131,15 @@ def has_batch_norm(cfg: DictConfig) -> bool:
 def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, dict]:
     """Each searched option of the technique groups, built: the option objects alone, no model.
     One compose (a second each on 2 busy cores) builds the n-th option of every group."""
-    groups = ("precision", "optim", "bn_mode", "checkpointing")
+    groups = ("precision", "optim", "bn_mode", "checkpointing", "parallel")
     built: dict[str, dict] = {group: {} for group in groups}
     for options in itertools.zip_longest(*(space[group] for group in groups)):
         chosen = {group: option for group, option in zip(groups, options, strict=True) if option}
         cfg = compose_config([*fixed, *(f"{group}={option}" for group, option in chosen.items())])
         for group, option in chosen.items():
-            built[group][option] = build(cfg[group])
+            # a parallel option joins a process group as it is built: its class says its cost
+            built[group][option] = (get_class(cfg[group]._target_) if group == "parallel"
+                                    else build(cfg[group]))
     return built
 
 
@@ -148,43 +160,61 @@ def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: i
 
 def plan(arguments: list[str], budget: str, target: str = "cpu",
          gpu: str = "h100", allow_changes: bool = False,
-         show: Callable[[str], None] = lambda line: None) -> list[Plan]:
-    """Every searched combination's cheapest fitting way to run, cheapest first (with, after
-    them, the ones that fit in no way, as `fits=False`). Unless `allow_changes`, a plan that
-    changes what is learned comes after every one that keeps it, and each combination tries
-    the ways that keep it first. `show` gets a line for each candidate as it is estimated
-    (estimates take seconds each)."""
+         show: Callable[[str], None] = lambda line: None,
+         world_sizes: tuple[int, ...] = (1,)) -> list[Plan]:
+    """The plans at the smallest of `world_sizes` at which one fits (at the largest, if none
+    does): see plan_ranks."""
+    for world_size in sorted(world_sizes):
+        plans = plan_ranks(arguments, budget, target, gpu, allow_changes, show, world_size)
+        if any(p.fits for p in plans):
+            break
+    return plans
+
+
+def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_changes: bool,
+               show: Callable[[str], None], world_size: int) -> list[Plan]:
+    """Every searched combination's cheapest fitting way to run on `world_size` ranks, cheapest
+    first (with, after them, the ones that fit in no way, as `fits=False`). Unless
+    `allow_changes`, a plan that changes what is learned comes after every one that keeps it,
+    and each combination tries the ways that keep it first. `show` gets a line for each
+    candidate as it is estimated (estimates take seconds each)."""
     limit = parse_size(budget, "budget")
     fixed, searched = split_arguments(arguments)
     base = compose_config(fixed)
     batch = base.data.batch_size
-    space = search_space(base, group_choice(fixed, "optim"), searched)
+    space = search_space(base, group_choice(fixed, "optim"), searched, world_size)
     computed_options = list(itertools.product(space["precision"], space["optim"],
                                               space["bn_mode"]))
     chosen = built_options(fixed, space)
     batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
-    # Nothing recomputed or moved first, then recomputation, then offloading (the classes say).
+    # Nothing recomputed or moved first, then recomputation, then offloading (the classes say);
+    # within each, the fewest micro-batches, then the parallel options from the least
+    # communicated.
     kept_options = sorted(
-        ((c, int(k)) for c in space["checkpointing"] for k in space["optim.accumulate"]
-         if batch % int(k) == 0),
-        key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[1]))
+        ((c, p, int(k)) for c in space["checkpointing"] for p in space["parallel"]
+         for k in space["optim.accumulate"] if batch % int(k) == 0),
+        key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[2],
+                            chosen["parallel"][option[1]].cost_rank))
+    ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
-         f"candidates against {budget}, each until one fits:")
+         f"candidates{ranks} against {budget} per rank, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
     plans = []
     for precision, optim, bn_mode in computed_options:
         computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
         changes = {option: math_changes(chosen, {"precision": precision, "optim": optim,
                                                  "bn_mode": bn_mode, "checkpointing": option[0]},
-                                        option[1], batch_norm)
+                                        option[2], batch_norm)
                    for option in kept_options}
         last = None
         # the ways that keep the math first, unless changes are allowed: the first fit is kept
-        for checkpointing, accumulate in sorted(
+        for checkpointing, parallel, accumulate in sorted(
                 kept_options, key=lambda option: not allow_changes and bool(changes[option])):
             overrides = [*computed, f"checkpointing={checkpointing}",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
+            if world_size > 1:
+                overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
             result = estimate(cfg, target, gpu)
             key = (precision, optim, bn_mode, accumulate)
@@ -192,9 +222,10 @@ def plan(arguments: list[str], budget: str, target: str = "cpu",
             if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
                 baseline_flops[key] = train_flops
             recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
-            last = Plan(overrides, precision, accumulate, result, recompute,
+            last = Plan(overrides, precision, accumulate,
+                        chosen["parallel"][parallel].cost_rank, result, recompute,
                         chosen["precision"][precision].numerics_rank,
-                        changes[checkpointing, accumulate])
+                        changes[checkpointing, parallel, accumulate])
             last.fits = last.peak_bytes <= limit
             show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
                  + " ".join(overrides))
@@ -215,7 +246,9 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
     fixed, _ = split_arguments(arguments)
     fitting = [p for p in plans if p.fits]
     changing = [p for p in fitting if p.changes]
-    lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget} "
+    ranks = plans[0].estimate.world_size if plans else 1
+    per_rank = f" per rank, on {ranks} ranks" if ranks > 1 else ""
+    lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget}{per_rank} "
              f"({plans[0].estimate.target if plans else 'cpu'} estimate), cheapest first"]
     if changing:
         lines.append(f"{len(changing)} of them change what is learned, "
@@ -249,9 +282,11 @@ def verify(arguments: list[str], plans: list[Plan], steps: int) -> str:
              f"  {'#':>2}  {'estimate':>10}  {'measured':>10}  {'ratio':>6}  status"]
     for number, p in enumerate(plans, 1):
         overrides = [*fixed, *p.overrides, f"trainer.max_steps={steps}", "logger=none"]
+        cfg = compose_config(overrides)
+        job = Job(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
+                  folder / str(number), {}, overrides, folder.name)
         try:
-            result = run_config(compose_config(overrides), folder / str(number), {}, overrides,
-                                folder.name)
+            result = run_job(job, cfg.trainer.nproc)  # trainer.nproc: its ranks, spawned
         except Exception as error:  # recorded in its result.json; the others still run
             lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  {'':>10}  {'':>6}  "
                          f"{type(error).__name__}: {error}")

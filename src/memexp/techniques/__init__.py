@@ -108,11 +108,15 @@ def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
             "parallel=none.")
 
 
-def check_estimable(parallel_class: type) -> None:
-    """memexp estimate traces one process; read from the class, since building a parallel
-    option starts a process group."""
+def check_estimable(parallel_class: type, world_size: int) -> None:
+    """memexp estimate traces one process, or one rank of `world_size` (memexp.estimate_parallel):
+    read from the class, since building a parallel option joins a process group."""
+    if world_size < 1:
+        raise ValueError(f"--world-size {world_size}: must be >= 1")
+    if world_size > 1 and not parallel_class.distributed:
+        raise ValueError(f"--world-size {world_size} with parallel=none: every rank would train "
+                         "its own copy. Choose parallel=ddp, zero1 or fsdp")
     if not parallel_class.estimable:
-        # DDP and FSDP need a process group; under fake tensors their collectives and FSDP's
-        # sharding hit data-dependent ops, so they are refused rather than estimated wrongly.
-        raise ValueError("parallel: memexp estimate covers one process (parallel=none); "
-                         "ddp, zero1 and fsdp are not estimated yet")
+        raise ValueError(f"parallel._target_={parallel_class.__module__}."
+                         f"{parallel_class.__qualname__}: memexp estimate does not trace it "
+                         "(its class says `estimable = False`); measure it with train.py")

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from memexp.distributed import env_world_size, init_process_group
+from memexp.estimate_parallel import on_fake_group, reduce_in_place
 from memexp.memory import SwapsParameters, host_resident
 from memexp.models.blocks import Blocks, resolve_blocks
 from memexp.techniques import Technique, model_device
@@ -32,8 +33,10 @@ class Parallel(Protocol):
     world_size: int
     # Runs on a process group whose hooks reduce or shard the gradients (ddp, fsdp, zero1).
     distributed: bool
-    # memexp estimate can trace it (one process, no collectives).
+    # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
+    # memexp plan tries the options from the cheapest (the least communicated) up
+    cost_rank: int
     found: Blocks | None  # the blocks it resolved (fsdp's units)
     changed: Mapping[str, nn.Module]  # the modules it wrapped, by name
 
@@ -61,6 +64,10 @@ class Parallel(Protocol):
     def gather(self, value: Any) -> list:
         """Every rank's `value`, in rank order (a collective: every rank calls it)."""
 
+    def heaviest_rank(self) -> int:
+        """The rank whose share of what this option partitions is the largest (built, with its
+        optimizer): the rank memexp estimate reports."""
+
 
 @dataclass
 class NoParallel(Technique):
@@ -70,6 +77,7 @@ class NoParallel(Technique):
     world_size = 1
     distributed = False
     estimable = True
+    cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
 
     def __post_init__(self) -> None:
         if env_world_size() > 1:
@@ -102,6 +110,9 @@ class NoParallel(Technique):
     def gather(self, value: Any) -> list:
         return [value]
 
+    def heaviest_rank(self) -> int:
+        return 0
+
 
 @dataclass
 class _OnProcessGroup(Technique):
@@ -110,7 +121,9 @@ class _OnProcessGroup(Technique):
 
     timeout_s: float = 120.0
     distributed = True
-    estimable = False
+    # on torch's fake process group (memexp.estimate_parallel), one rank at a time
+    estimable = True
+    planned = ({},)  # memexp plan --world-size N tries each, as its YAML has it
 
     def __post_init__(self) -> None:
         if not self.timeout_s > 0:
@@ -135,9 +148,17 @@ class _OnProcessGroup(Technique):
         return tensor
 
     def gather(self, value: Any) -> list:
+        if on_fake_group():  # it moves no data: every rank is taken to have this rank's value
+            return [value] * self.world_size
         gathered = [None] * self.world_size
         dist.all_gather_object(gathered, value)
         return gathered
+
+    def heaviest_rank(self) -> int:
+        # DDP replicates everything. fully_shard splits each parameter as torch.chunk does,
+        # which gives the first ranks the largest pieces, and pads every rank's shard to rank
+        # 0's size.
+        return 0
 
 
 @dataclass
@@ -145,8 +166,21 @@ class DDP(_OnProcessGroup):
     """DistributedDataParallel: every rank holds the whole model and optimizer; gradients are
     averaged across ranks during backward, bucket by bucket."""
 
+    cost_rank = 1  # an all-reduce of the gradients, overlapped with backward
+
     def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
-        self._model = nn.parallel.DistributedDataParallel(model)
+        if not on_fake_group():
+            self._model = nn.parallel.DistributedDataParallel(model)
+            return self._model
+        # memexp estimate's rank (memexp.estimate_parallel). What reads data that its fake group
+        # does not move is left out, as its memory is: the check and broadcast of rank 0's
+        # weights as DDP is built (before the meter starts), and the second step's rebuild of the
+        # gradient buckets in the order the gradients came (the same buckets' bytes, laid out
+        # again; find_unused_parameters keeps the first layout). Its gradient hook returns what
+        # the group's futures do not hold.
+        self._model = nn.parallel.DistributedDataParallel(model, init_sync=False,
+                                                          find_unused_parameters=True)
+        self._model.register_comm_hook(None, reduce_in_place)
         return self._model
 
     def accumulating(self, active: bool) -> AbstractContextManager:
@@ -160,6 +194,8 @@ class ZeRO1(DDP):
     (torch.distributed.optim.ZeroRedundancyOptimizer); each rank steps its share of the
     parameters and broadcasts them to the others."""
 
+    cost_rank = 2  # DDP's all-reduce, and a broadcast of the parameters after the step
+
     def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
 
@@ -168,7 +204,15 @@ class ZeRO1(DDP):
         # ZeRO keeps its shard's state in the inner optimizer and leaves its own `state`
         # empty; the alias lets the meter (and anyone else) see this rank's optimizer state.
         zero.state = zero.optim.state
+        self._zero = zero
         return zero
+
+    def heaviest_rank(self) -> int:
+        # ZeRO assigns whole parameters, largest first, each to the rank with the fewest
+        # elements so far: the ranks' shares differ by up to a parameter.
+        shares = [sum(p.numel() * p.element_size() for group in groups for p in group["params"])
+                  for groups in self._zero._partition_parameters()]
+        return shares.index(max(shares))
 
 
 class _ShardedAndGathered(SwapsParameters):
@@ -210,6 +254,7 @@ class FSDP(_OnProcessGroup):
     Under precision=amp or bf16, parameters are gathered in that dtype and gradients reduced in
     fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
 
+    cost_rank = 3  # every block's parameters gathered in forward and again in backward
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)

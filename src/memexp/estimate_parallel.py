@@ -1,0 +1,101 @@
+"""`memexp estimate ... parallel=ddp|zero1|fsdp --world-size N`: one rank's peak, in one process.
+
+The rank is traced as memexp.estimate traces one process, on torch's fake process group
+(torch.testing._internal.distributed.fake_pg): its collectives return at once and move no data.
+Everything else is torch's own code, as in a real run of N ranks: DistributedDataParallel's
+gradient buckets, ZeroRedundancyOptimizer's partition of the optimizer state, fully_shard's
+sharded parameters, its all-gathered blocks (freed after forward under reshard_after_forward),
+its reduce-scatter buffers, mixed-precision gather and reduce dtypes and CPU offload. Nothing
+here is a formula of ours. The collectives' results hold no values, which a trace does not read
+anyway; so the estimate is of memory only. Its time does not grow with N: one rank is traced.
+
+Ranks hold the same memory except where torch partitions unevenly: ZeRO's greedy partition of
+whole parameters can give any rank the most optimizer state. Rank 0 is traced first; where its
+option names another rank as holding more (Parallel.heaviest_rank), that rank is traced too,
+and the larger peak is reported, with the rank it is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from memexp.result import mib
+
+if TYPE_CHECKING:
+    from memexp.estimate import Estimate
+
+
+# torch's fake process-group backend (torch.testing._internal.distributed.fake_pg)
+FAKE_BACKEND = "fake"
+
+
+def on_fake_group() -> bool:
+    """Whether this process is a rank traced by memexp estimate: the parallel options skip, or
+    stand in for, what reads the data a fake group does not move."""
+    return dist.get_backend() == FAKE_BACKEND
+
+
+def reduce_in_place(group: dist.ProcessGroup | None, bucket):
+    """DistributedDataParallel's default gradient hook, as the fake group can run it: the
+    bucket (a dist.GradBucket; DDP refuses annotations as strings) averaged in place. The
+    fake group's futures hold no result, which DDP's own hook returns."""
+    buffer = bucket.buffer()
+    buffer.div_(dist.get_world_size(group))
+    dist.all_reduce(buffer, group=group)
+    reduced = torch.futures.Future()
+    reduced.set_result(buffer)
+    return reduced
+
+
+@contextmanager
+def fake_rank(rank: int, world_size: int) -> Iterator[None]:
+    """This process as rank `rank` of `world_size` on a fake process group, which the parallel
+    options join as they join a real one (memexp.distributed.init_process_group)."""
+    if dist.is_initialized():
+        raise ValueError(
+            "memexp estimate with a parallel option puts this process on a fake process group "
+            "of its own, and this process is already in one (under torchrun, or a group the "
+            "caller made): estimate from a plain process")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def on_ranks(world_size: int, traced: Callable[[], Estimate]) -> Estimate:
+    """`traced()` as the rank of `world_size` with the largest peak: rank 0, or the rank its
+    parallel option says holds more (then both are traced)."""
+    with fake_rank(0, world_size):
+        first = traced()
+    if first.heaviest_rank == 0:
+        return first
+    with fake_rank(first.heaviest_rank, world_size):
+        other = traced()
+    heaviest, lighter = sorted((other, first), key=lambda result: result.memory["peak_bytes"],
+                               reverse=True)
+    heaviest.seconds = first.seconds + other.seconds
+    heaviest.other_rank = {"rank": lighter.rank, "peak_bytes": lighter.memory["peak_bytes"]}
+    return heaviest
+
+
+def rank_lines(result: Estimate) -> list[str]:
+    """Which rank the estimate is of, and why that one (none for one process)."""
+    if result.world_size == 1:
+        return []
+    line = (f"  rank         {result.rank} of {result.world_size}, traced on torch's fake process "
+            "group (memory only: its collectives move no data)")
+    if result.other_rank is None:
+        return [line, "               no rank holds more: the ranks differ only where torch "
+                      "partitions unevenly, and none does more than rank 0"]
+    other = result.other_rank
+    return [line, f"               the largest of the two ranks traced: its parallel option gives "
+                  f"rank {result.heaviest_rank} the most state (rank {other['rank']}'s peak: "
+                  f"{mib(other['peak_bytes'])})"]
