@@ -68,11 +68,12 @@ from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memexp import cudatrace, estimate_parallel
+from memexp import cudatrace
 from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
 from memexp.data.tensors import Batch, Data
+from memexp.estimate_parallel import fake_rank
 from memexp.first_steps import first_steps
 from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
@@ -375,7 +376,7 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
             "ranks are traced on torch's fake process group, which the CUDA trace process does "
             "not join yet. MEMEXP_CUDA_PYTHON=none estimates them on the CPU stand-in (the "
             "caching allocator modelled, CUDA's own kernel choices not seen)")
-    return estimate_parallel.on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
+    return on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
 
 
 def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:
@@ -557,7 +558,7 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
     lines = [f"memexp estimate for {device_label(result)}: {result.parameters / 1e6:,.1f}M "
              f"parameters, batch {cfg.data.batch_size}{per_rank} x accumulate "
              f"{cfg.optim.accumulate} ({result.seconds:.1f} s, nothing allocated)"]
-    lines += estimate_parallel.rank_lines(result)
+    lines += rank_lines(result)
     if result.target == "cuda":
         lines += cuda_lines(result)
     else:
@@ -637,3 +638,34 @@ def uncounted_lines(memory: dict) -> list[str]:
             f"im2col matrix of the largest convolution, {convolution}); allocated and reserved "
             "can grow by as much")
     return lines
+
+
+def on_ranks(world_size: int, traced: Callable[[], Estimate]) -> Estimate:
+    """`traced()` as the rank of `world_size` with the largest peak: rank 0, or the rank its
+    parallel option says holds more (then both are traced)."""
+    with fake_rank(0, world_size):
+        first = traced()
+    if first.heaviest_rank == 0:
+        return first
+    with fake_rank(first.heaviest_rank, world_size):
+        other = traced()
+    heaviest, lighter = sorted((other, first), key=lambda result: result.memory["peak_bytes"],
+                               reverse=True)
+    heaviest.seconds = first.seconds + other.seconds
+    heaviest.other_rank = {"rank": lighter.rank, "peak_bytes": lighter.memory["peak_bytes"]}
+    return heaviest
+
+
+def rank_lines(result: Estimate) -> list[str]:
+    """Which rank the estimate is of, and why that one (none for one process)."""
+    if result.world_size == 1:
+        return []
+    line = (f"  rank         {result.rank} of {result.world_size}, traced on torch's fake process "
+            "group (memory only: its collectives move no data)")
+    if result.other_rank is None:
+        return [line, "               no rank holds more: the ranks differ only where torch "
+                      "partitions unevenly, and none does more than rank 0"]
+    other = result.other_rank
+    return [line, f"               the largest of the two ranks traced: its parallel option gives "
+                  f"rank {result.heaviest_rank} the most state (rank {other['rank']}'s peak: "
+                  f"{mib(other['peak_bytes'])})"]

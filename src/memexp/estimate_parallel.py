@@ -9,26 +9,20 @@ its reduce-scatter buffers, mixed-precision gather and reduce dtypes and CPU off
 here is a formula of ours. The collectives' results hold no values, which a trace does not read
 anyway; so the estimate is of memory only. Its time does not grow with N: one rank is traced.
 
-Ranks hold the same memory except where torch partitions unevenly: ZeRO's greedy partition of
-whole parameters can give any rank the most optimizer state. Rank 0 is traced first; where its
-option names another rank as holding more (Parallel.heaviest_rank), that rank is traced too,
-and the larger peak is reported, with the rank it is.
+memexp.estimate traces the ranks (`on_ranks`). Ranks hold the same memory except where torch
+partitions unevenly: ZeRO's greedy partition of whole parameters can give any rank the most
+optimizer state. Rank 0 is traced first; where its option names another rank as holding more
+(Parallel.heaviest_rank), that rank is traced too, and the larger peak is reported, with the
+rank it is.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
-
-from memexp.result import mib
-
-if TYPE_CHECKING:
-    from memexp.estimate import Estimate
-
 
 # torch's fake process-group backend (torch.testing._internal.distributed.fake_pg)
 FAKE_BACKEND = "fake"
@@ -68,34 +62,3 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
-
-
-def on_ranks(world_size: int, traced: Callable[[], Estimate]) -> Estimate:
-    """`traced()` as the rank of `world_size` with the largest peak: rank 0, or the rank its
-    parallel option says holds more (then both are traced)."""
-    with fake_rank(0, world_size):
-        first = traced()
-    if first.heaviest_rank == 0:
-        return first
-    with fake_rank(first.heaviest_rank, world_size):
-        other = traced()
-    heaviest, lighter = sorted((other, first), key=lambda result: result.memory["peak_bytes"],
-                               reverse=True)
-    heaviest.seconds = first.seconds + other.seconds
-    heaviest.other_rank = {"rank": lighter.rank, "peak_bytes": lighter.memory["peak_bytes"]}
-    return heaviest
-
-
-def rank_lines(result: Estimate) -> list[str]:
-    """Which rank the estimate is of, and why that one (none for one process)."""
-    if result.world_size == 1:
-        return []
-    line = (f"  rank         {result.rank} of {result.world_size}, traced on torch's fake process "
-            "group (memory only: its collectives move no data)")
-    if result.other_rank is None:
-        return [line, "               no rank holds more: the ranks differ only where torch "
-                      "partitions unevenly, and none does more than rank 0"]
-    other = result.other_rank
-    return [line, f"               the largest of the two ranks traced: its parallel option gives "
-                  f"rank {result.heaviest_rank} the most state (rank {other['rank']}'s peak: "
-                  f"{mib(other['peak_bytes'])})"]

@@ -19,14 +19,13 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import Enum
 from typing import Any, NamedTuple, Protocol
-from weakref import WeakKeyDictionary
 
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
+from memexp.reduction import REDUCTIONS, Reduction
 
 
 @dataclass
@@ -215,26 +214,6 @@ class CrossEntropy:
                                   targets_for(batch, "cross_entropy"), self.shift)
         check_class_logits(logits, targets, self.key)
         check_classes(logits, targets, self.key)
-
-
-class Reduction(Enum):
-    """How a model's own loss reduces its batch, which weighs the micro-batches of an
-    accumulated step (`shares`). The model's builder says which (`REDUCTIONS`)."""
-
-    # Hugging Face's cross-entropy losses: a mean over the labels that are not -100 (shifted for
-    # causal language models; one per sample for sequence classification)
-    LABELS = "a mean over its labels"
-    # torch's ctc_loss with reduction="mean": each sample's loss over its label count, then the
-    # batch's mean, whatever the counts
-    SAMPLES = "a mean over its samples"
-    # ctc_loss with reduction="sum" (wav2vec2's and HuBERT's default)
-    SUM = "a sum over its samples"
-
-
-# How each model's own loss reduces its batch, where its builder knows (model=hf: from the config
-# its task head reads); a mean over its labels otherwise. By model, beside it rather than on it,
-# where its own code could meet it.
-REDUCTIONS: WeakKeyDictionary = WeakKeyDictionary()
 
 
 @dataclass

@@ -163,7 +163,7 @@ class Trainer:
 
         model = build_model(cfg.model) if model is None else model
         # After the model: loss=model weighs micro-batches as the model's own loss reduces its
-        # batch (memexp.loss.REDUCTIONS: a CTC head's mean or sum).
+        # batch (memexp.reduction.REDUCTIONS: a CTC head's mean or sum).
         self.loss = as_loss(build(cfg.loss), model)
         # What loading model.pretrained reported (memexp.models.hf), for the record; None
         # where no weights were loaded.

@@ -16,9 +16,9 @@ from pathlib import Path
 
 from torch import nn
 
-from memexp.loss import REDUCTIONS, Reduction
 from memexp.models import LOADED, plain
 from memexp.quiet import quiet_torchao_import
+from memexp.reduction import REDUCTIONS, Reduction
 
 # model.task -> (the Auto class that adds the task's head, the name of its architecture table in
 # transformers.models.auto.modeling_auto)
