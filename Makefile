@@ -24,9 +24,9 @@ install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into 
 run: install ## the main job: a quick comparison sweep on the embedded defaults (experiment=quick)
 	$(PY) train.py -m experiment=quick
 	@echo "Next, in this shell (python and memexp below need it): source $(VENV)/bin/activate"
-	@echo "then, for example: python train.py model=transformer   (the README's 'Running' has more)"
+	@echo "then, for example: python train.py model=transformer   (docs/running.md has more)"
 
-readme-figures: install ## rerun what README.md quotes and write its figures between the markers
+readme-figures: install ## rerun what README.md and docs/ quote and write the figures between the markers
 	$(PY) scripts/readme_figures.py
 
 check-readme: ## run README.md's shell blocks from a fresh clone of this checkout (long)

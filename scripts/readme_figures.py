@@ -1,17 +1,22 @@
-"""Rerun what README.md quotes and write the figures into it, between markers.
+"""Rerun what README.md and docs/ quote and write the figures into them, between markers.
 
-    .venv/bin/python scripts/readme_figures.py          (make readme-figures)
+    .venv/bin/python scripts/readme_figures.py [PART ...]    (make readme-figures: all of them)
 
-Each generated part of the README sits between `<!-- figures:NAME -->` and
-`<!-- /figures:NAME -->`; everything between them is replaced. The parts:
+Each generated part sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME -->`, in
+README.md or a page of docs/ (wherever the markers are, each in one place); everything between
+them is replaced. The parts:
 
 - quick, quick-prose, quick-time: `python train.py -m experiment=quick` (what `make run` runs):
-  the table it prints at the end, the ratios the prose quotes, and how long it took here;
-- run, default-accuracy: `python train.py`, the summary it prints;
-- bad-input: the three config mistakes of "Bad input", and what each prints.
+  the table it prints at the end, the ratios the prose quotes, and how long it took here
+  (README.md, "The first result");
+- run: `python train.py`, the summary it prints (README.md); default-accuracy: its accuracy
+  (docs/models-and-data.md);
+- bad-input: the mistakes of docs/errors.md, and what each prints.
+
+PART is a function below (bad_input, single_run, quick): only those are rerun and rewritten.
 
 The commands run in outputs/readme-figures/ (kept: its plots and reports can be read); their
-folders are written in the README as the default ones (`outputs/...`), the only change made to
+folders are written in the pages as the default ones (`outputs/...`), the only change made to
 what the commands print. tests/test_readme.py reruns one of the quoted jobs and
 checks the README's memory figures exactly and its accuracy to 3 decimals.
 """
@@ -21,6 +26,7 @@ from __future__ import annotations
 import csv
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -30,11 +36,27 @@ from pathlib import Path
 import torch
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+# The pages that hold generated figures.
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 TRAIN = [sys.executable, str(REPO / "train.py")]
 # The lines Hydra's logger puts before a sweep's table: `[2026-11-23 22:55:43,684][HYDRA] `.
 LOG_PREFIX = re.compile(r"^\[[\d\- :,]+\]\[[\w.]+\] ?")
-BAD_INPUT = ["precision=bogus", "trainer.max_steps=abc", "model.widht=3"]
+# docs/errors.md's mistakes: in the config itself (caught while composing it, no result.json),
+# then values that compose but cannot work (caught while building the run, status: failed). Each
+# error is also a test (docs/errors.md says which).
+BAD_INPUT = [
+    "precision=bogus", "trainer.max_steps=abc", "model.widht=3", "trainer.max_stepz=3",
+    "optim.lr=fast", "-m report.budget=lots",
+    "optim.accumulate=0", "optim.lr=-1", "data.batch_size=0", "data.batch_size=big",
+    "memory.budget=-1", "memory.budget=0.5b", "trainer.max_steps=0", "model._target_=nope.Net",
+    "model=transformer model.n_heads=0", "data.seed=100000000000000",
+    "logger.filename=/tmp/m.csv", "logger.filename=../m.csv", "logger.filename=result.json",
+    "logger.filename=checkpoints/m.csv", "data=cifar10 data.root=/nonexistent",
+    "checkpointing=modules 'checkpointing.modules=[layer9]'",
+    "precision=fp16_pure precision.dtype=float8", "logger=wandb logger.mode=sometimes",
+    # mistakes only where there is no GPU
+    *([] if torch.cuda.is_available() else ["data.batch_size=auto", "trainer.device=cuda"]),
+]
 
 
 def run(arguments: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
@@ -102,39 +124,68 @@ def single_run(work: Path) -> dict[str, str]:
 
 def bad_input(work: Path) -> dict[str, str]:
     lines = []
-    for override in BAD_INPUT:
-        done = run([override], cwd=work, check=False)
+    for number, command in enumerate(BAD_INPUT):
+        run_dir = work / "bad-input" / str(number)
+        done = run([*shlex.split(command), f"hydra.run.dir={run_dir}"], cwd=work, check=False)
         if done.returncode == 0:
-            raise SystemExit(f"readme_figures: python train.py {override} succeeded; "
-                             "the README quotes it as bad input")
-        lines += [f"$ python train.py {override}", *done.stderr.strip().splitlines()]
+            raise SystemExit(f"readme_figures: python train.py {command} succeeded; "
+                             "docs/errors.md quotes it as bad input")
+        printed = (done.stdout + done.stderr).replace(str(run_dir), "outputs/runs/<time>")
+        printed = printed.strip().splitlines()
+        summary = next((i for i, line in enumerate(printed) if "memexp run: failed" in line), None)
+        if summary is None:  # refused while composing: its `memexp: ...` lines are all it prints
+            told = printed
+        else:  # refused while building the run: its summary, less what did not go wrong
+            error = next(i for i in range(summary, len(printed))
+                         if printed[i].startswith("  error "))
+            result = next(i for i in range(error, len(printed))
+                          if printed[i].startswith("  result "))
+            told = [printed[summary][printed[summary].index("memexp run:"):],
+                    *printed[error:result]]
+            if "Traceback (most recent call last):" in printed:
+                traceback = printed.index("Traceback (most recent call last):")
+                told.append(f"(then a traceback: {len(printed) - traceback} lines)")
+        lines += [f"$ python train.py {command}", *told]
     return {"bad-input": "```\n" + "\n".join(lines) + "\n```"}
 
 
-def write(readme: str, figures: dict[str, str]) -> str:
+def write(pages: dict[Path, str], figures: dict[str, str]) -> dict[Path, str]:
+    """`pages` (path: text) with each of `figures` written between its markers."""
+    pages = dict(pages)
     for name, text in figures.items():
         pattern = re.compile(rf"(<!-- figures:{name} -->).*?(<!-- /figures:{name} -->)", re.S)
-        found = pattern.search(readme)
-        if found is None:
-            raise SystemExit(f"readme_figures: README.md has no markers for {name!r}")
+        holding = [path for path, page in pages.items() if pattern.search(page)]
+        if len(holding) != 1:
+            raise SystemExit(f"readme_figures: markers for {name!r} must be in one page of "
+                             f"README.md and docs/, found in {len(holding)}")
+        page = pages[holding[0]]
+        start, end = pattern.search(page).span()
         pad = "\n" if text.startswith("```") else ""
-        start, end = found.span()
-        readme = (readme[:start] + f"<!-- figures:{name} -->{pad}{text}{pad}"
-                  f"<!-- /figures:{name} -->" + readme[end:])
-    return readme
+        pages[holding[0]] = (page[:start] + f"<!-- figures:{name} -->{pad}{text}{pad}"
+                             f"<!-- /figures:{name} -->" + page[end:])
+    return pages
 
 
 def main() -> None:
+    parts = {part.__name__: part for part in (bad_input, single_run, quick)}
+    unknown = set(sys.argv[1:]) - set(parts)
+    if unknown:
+        raise SystemExit(f"readme_figures: no part {', '.join(sorted(unknown))}; the parts: "
+                         f"{', '.join(parts)}")
     figures: dict[str, str] = {}
     # Kept after the script (outputs/ is git-ignored), so its plots and reports can be read.
     work = REPO / "outputs" / "readme-figures"
     shutil.rmtree(work, ignore_errors=True)
     work.mkdir(parents=True)
-    for part in (bad_input, single_run, quick):
+    for part in (parts[name] for name in sys.argv[1:] or parts):
         print(f"readme_figures: {part.__name__} ...", flush=True)
         figures.update(part(work))
-    README.write_text(write(README.read_text(), figures))
-    print(f"readme_figures: wrote {', '.join(figures)} into {README}; the runs are in {work}")
+    pages = {path: path.read_text() for path in PAGES}
+    for path, page in write(pages, figures).items():
+        if page != pages[path]:
+            path.write_text(page)
+    print(f"readme_figures: wrote {', '.join(figures)} into README.md and docs/; the runs are "
+          f"in {work}")
 
 
 if __name__ == "__main__":

@@ -321,7 +321,7 @@ def test_config_keys_of_real_architectures_are_taken(arch, task, keys, reads):
 def readme_commands(model: str) -> list[list[str]]:
     """The overrides of each `python train.py model=<model> ...` line in the README's "Your own
     model" section, as a shell would split them."""
-    section = (REPO / "README.md").read_text().split("### Your own model")[1].split("\n## ")[0]
+    section = (REPO / "README.md").read_text().split("\n## Your own model")[1].split("\n## ")[0]
     return [shlex.split(line, comments=True)[2:] for line in section.splitlines()
             if line.startswith(f"python train.py model={model} ")]
 

@@ -1,4 +1,5 @@
-"""The figures README.md quotes are what a fresh run gives (scripts/readme_figures.py writes them).
+"""The figures README.md and docs/ quote are what a fresh run gives (scripts/readme_figures.py
+writes them).
 
 One quoted job is rerun: the quick sweep's baseline (`make run`'s job 0), 60 steps. Memory is
 deterministic here, so its figures must match to the printed digit; accuracy to 3 decimals,
@@ -14,6 +15,8 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -30,10 +33,13 @@ MEMORY_LINES = ("  peak memory", "    at peak", "    by phase")
 
 
 def figures(name: str) -> str:
-    readme = (REPO / "README.md").read_text()
-    found = re.search(rf"<!-- figures:{name} -->(.*?)<!-- /figures:{name} -->", readme, re.S)
-    assert found, f"README.md has no figures:{name} markers"
-    return found.group(1)
+    """What the markers of `name` hold, in README.md or a page of docs/."""
+    pages = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    found = [re.search(rf"<!-- figures:{name} -->(.*?)<!-- /figures:{name} -->", page.read_text(),
+                       re.S) for page in pages]
+    found = [match.group(1) for match in found if match]
+    assert len(found) == 1, f"figures:{name} markers in {len(found)} pages of README.md and docs/"
+    return found[0]
 
 
 def quoted_row(config: str) -> dict[str, str]:
@@ -82,3 +88,27 @@ def test_the_quoted_single_run_summary_has_a_fresh_runs_memory(baseline):
     for start in MEMORY_LINES:
         line = next(line for line in quoted if line.startswith(start))
         assert line in printed, f"README: {line!r}; a fresh run printed: {printed}"
+
+
+def anchors(page: Path) -> Iterator[str]:
+    """The anchors GitHub gives the headings of `page` (code blocks left out)."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(), flags=re.S | re.M)
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#+ (.*)$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+@pytest.mark.parametrize("page", ["README.md", "BENCHMARKS.md",
+                                  *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))])
+def test_every_link_between_the_pages_leads_to_a_page_and_heading(page):
+    path = REPO / page
+    for target in re.findall(r"\]\(([^)\s]+)\)", path.read_text()):
+        if re.match(r"\w+://", target):
+            continue
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{page}: {target}: no such file"
+        if anchor:
+            assert anchor in set(anchors(linked)), f"{page}: {target}: no such heading"

@@ -1,6 +1,6 @@
 """Ranks and process groups: how one run becomes N processes, and how they find each other.
 
-Launch modes (README, "Parallel training"):
+Launch modes (docs/parallel.md, "Launching"):
 
 - one process: `parallel=ddp|fsdp|zero1` still needs a process group; it gets a 1-rank group on
   an in-process store (gloo on CPU, nccl on CUDA), so no port is ever taken;

@@ -2,7 +2,7 @@
 
 Written atomically (a temp file, then os.replace), first with status "running" when the run
 starts, then with its final status. A run killed outright therefore never leaves a record that
-claims success. The schema is documented in the README ("result.json"). It is strict JSON: a
+claims success. The schema is documented in docs/result-json.md. It is strict JSON: a
 NaN or an infinity is written as null, and `non_finite` says what each one was.
 """
 
@@ -79,8 +79,8 @@ class BadRecord(ValueError):
 
 
 RECORD = "result.json"  # a run's record, in its run folder
-# Every status a record can have: how its run ended, or "running" while it runs (README,
-# "result.json"). A record with any other is not memexp's, and is not read.
+# Every status a record can have: how its run ended, or "running" while it runs
+# (docs/result-json.md). A record with any other is not memexp's, and is not read.
 STATUSES = ("ok", "failed", "oom", "nan", "terminated", "interrupted", "killed", "timeout",
             "running")
 # What a reader reads of a record at most. A record is some 5 KiB, and each step adds about
