@@ -53,14 +53,14 @@ def test_a_run_too_short_for_untracked_steps_says_its_time_is_tracked():
 def test_step_timing_takes_untracked_steps_past_warmup():
     times = [9.0, 8.0, 7.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     timing = step_timing(times, measured=[1, 2, 3], warmup_steps=4, others_share=0.5,
-                         baseline_times=[], unpaired="the run is its own baseline")
+                         baseline_times=[], unpaired="the run is its own baseline", spread=0.1)
     assert timing["timed_steps"] == [[5, 8]]
     assert timing["step_time_s"] == 3.5 and timing["step_time_iqr_s"] == [2.75, 4.25]
     assert timing["busy"] is True
     assert timing["paired"] == {"skipped": "the run is its own baseline"}
-    assert step_timing(times, [1, 2, 3], 1, 0.0, [], None)["timed_steps"] == [[4, 8]]
+    assert step_timing(times, [1, 2, 3], 1, 0.0, [], None, 0.1)["timed_steps"] == [[4, 8]]
     # every step measured: the tracked ones past warm-up
-    tracked = step_timing(times[:3], [1, 2, 3], 1, None, [], None)
+    tracked = step_timing(times[:3], [1, 2, 3], 1, None, [], None, 0.1)
     assert tracked["tracked"] is True and tracked["timed_steps"] == [[2, 3]]
 
 
@@ -68,26 +68,26 @@ def test_the_paired_ratio_is_the_median_of_the_step_by_step_ratios_over_timed_st
     times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5]
     # the baseline beside steps 3-7; step 3 is warm-up, so it is not timed and not paired
     beside = [[3, 1.0], [4, 2.0], [5, 2.0], [6, 2.0], [7, 1.0]]
-    paired = step_timing(times, [1, 2], 3, None, beside, None)["paired"]
+    paired = step_timing(times, [1, 2], 3, None, beside, None, 0.1)["paired"]
     # step-by-step ratios 1.5, 2.0, 3.0, 1.5
     assert paired == {"steps": [[4, 7]], "baseline_step_time_s": 2.0, "ratio": 1.75,
-                      "ratio_iqr": [1.5, 2.25]}
+                      "ratio_iqr": [1.5, 2.25], "settled": False}
 
 
 def test_the_step_time_is_of_the_steps_that_ran_alone_where_enough_did():
     times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5, 1.0, 1.0, 1.5, 1.0]
     beside = [[4, 2.0], [5, 2.0], [6, 2.0]]  # two models taking turns: slower steps
-    timing = step_timing(times, [1, 2], 3, None, beside, None)
+    timing = step_timing(times, [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[7, 11]] and timing["step_time_s"] == 1.0
     assert timing["beside_baseline"] is False and timing["paired"]["steps"] == [[4, 6]]
     # fewer than ALONE_STEPS alone: every untracked step, and the record says so
-    timing = step_timing(times[:8], [1, 2], 3, None, beside, None)
+    timing = step_timing(times[:8], [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[4, 8]] and timing["beside_baseline"] is True
     # no step ran alone
-    timing = step_timing(times[:6], [1, 2], 3, None, beside, None)
+    timing = step_timing(times[:6], [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[4, 6]] and timing["beside_baseline"] is True
     # a baseline that failed after its first pairs: the partial ratio says why it stopped
-    stopped = step_timing(times, [1, 2], 3, None, beside, "the baseline failed")["paired"]
+    stopped = step_timing(times, [1, 2], 3, None, beside, "the baseline failed", 0.1)["paired"]
     assert stopped["steps"] == [[4, 6]] and stopped["stopped"] == "the baseline failed"
 
 

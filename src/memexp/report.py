@@ -273,6 +273,10 @@ def add_time_ratio(row: Row, base: Row) -> None:
     elif beside:
         row.time_doubt = (f"{jobs(beside)} timed no step alone, only beside their baseline's, "
                           "which slows a step")
+    elif paired is not None and paired.get("settled") is False:  # older records lack it
+        spread = row.result["config"]["timing"]["paired_spread"]
+        row.time_doubt = (f"its ratios' spread was still wider than timing.paired_spread="
+                          f"{spread:g} when its pairs ran out")
     elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
         row.time_doubt = "its spread overlaps 1.0"
 
