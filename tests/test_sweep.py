@@ -158,7 +158,8 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
     """Jobs that raise, run out of memory, diverge, are SIGKILLed, or succeed, in one sweep."""
     sweep_dir = tmp_path / "chaos"
     done = sweep(sweep_dir, *TINY_DATA, "logger=wandb", "model=custom",
-                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+                 "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok",
+                 "hydra.launcher.heartbeat_s=0.2")
     assert done.returncode != 0  # the sweep says that some jobs failed
     assert ("4 of 6 jobs did not succeed: job 1 failed, job 2 oom, job 3 nan, job 4 killed"
             in done.stderr)
@@ -172,9 +173,14 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(tmp_path):
     for job in "05":  # no finished result is lost
         assert found[job]["metrics"]["eval_accuracy"] is not None
     assert_serial(list(found.values()))
-    # One line per job as it ended, in the sweep's own output, with the count done so far.
-    ended = [line for line in (done.stdout + done.stderr).splitlines()
+    # In the sweep's own output, one line per job as it started, a heartbeat while it runs
+    # (hydra.launcher.heartbeat_s), and one as it ended, with its place in the sweep.
+    lines = [line for line in (done.stdout + done.stderr).splitlines()
              if re.search(r"\[\d+/6\] job #", line)]
+    for job in range(6):
+        mine = [line.split(": ", 1)[1] for line in lines if f"/6] job #{job} " in line]
+        assert mine[0] == "started" and mine[1].startswith("running, "), mine
+    ended = [line for line in lines if not line.endswith(": started") and ": running, " not in line]
     assert len(ended) == 6
     for job, (line, status) in enumerate(zip(ended, statuses, strict=True)):
         peak = found[str(job)]["memory"] and found[str(job)]["memory"]["peak_bytes"]

@@ -14,7 +14,7 @@ from test_report import chosen_techniques, config_of, rows_of
 
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
-from memexp.timing import MachineLoad, step_timing
+from memexp.timing import MIN_PAIRS, MachineLoad, step_timing
 from memexp.trainer import free_cached_memory
 
 from conftest import train
@@ -113,6 +113,26 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
     # its own step time is of the steps after the pairs, which ran alone
     assert timing["timed_steps"] == [[10, 14]] and timing["beside_baseline"] is False
     assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
+
+
+def test_the_pairs_stop_once_their_ratio_settles_and_an_unsettled_ratio_is_uncertain():
+    """timing.paired_steps is a cap: a spread this wide settles at MIN_PAIRS pairs, whatever
+    the machine's speed, and the steps after them run alone. A ratio whose pairs ran out
+    before it settled (6 pairs, fewer than MIN_PAIRS) is marked uncertain in the report."""
+    trainer, metrics = train(*MLP, "optim.accumulate=2", "data.batch_size=8",
+                             "memory.measure_steps=3", "timing.paired_steps=30",
+                             "timing.paired_spread=1000", steps=16)
+    timing = trainer.summary_metrics()["timing"]
+    assert [step for step, _ in metrics.baseline_step_times] == list(range(4, 4 + MIN_PAIRS))
+    assert timing["paired"]["settled"] is True
+    assert timing["timed_steps"] == [[4 + MIN_PAIRS, 16]] and not timing["beside_baseline"]
+    short = step_timing([1.0] * 10, [1, 2], 3, None, [[s, 1.0] for s in range(4, 10)], None,
+                        1000)["paired"]
+    assert short["settled"] is False
+    record = result(["checkpointing=full"], 1.3, paired=1.3, checkpointing="full")
+    record["metrics"]["timing"]["paired"] |= {"settled": False}
+    rows = rows_of(result(["checkpointing=none"], 1.0), record)
+    assert rows[1].time_doubt.startswith("its step-by-step ratios had not settled")
 
 
 @pytest.mark.cuda

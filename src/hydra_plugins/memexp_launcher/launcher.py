@@ -45,12 +45,10 @@ log = logging.getLogger(__name__)
 
 # Keys that are this launcher's own, or submitit's executor-construction arguments.
 NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism",
-                      "preload"}
+                      "preload", "heartbeat_s"}
 # submitit's <python> for every job: the job module holds the time-out signal back first.
 JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
 # The same job, forked from a server that has imported torch and memexp (see preloaded).
-# The longest a running job goes without a line in the sweep's output (Heartbeat).
-HEARTBEAT_S = 15.0
 PRELOADED_JOB_PYTHON = (f"{shlex.quote(sys.executable)} -u -m "
                         "hydra_plugins.memexp_launcher.preloaded")
 
@@ -181,7 +179,8 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                 log.info(f"{names[number]}: {self._STARTED}")
             for job, (overrides, number) in zip(submitted, chunk, strict=True):
                 result_file = job_dir(configs[number]) / "result.json"
-                heartbeat = Heartbeat(names[number], job, submitted_at)
+                heartbeat = Heartbeat(names[number], job, submitted_at,
+                                      self.params["heartbeat_s"])
                 returns.append(self._outcome(job, overrides, number, result_file, heartbeat))
                 log.info(self._ended(names[number], result_file, returns[-1].return_value,
                                      time.monotonic() - submitted_at))
@@ -296,12 +295,12 @@ def job_dir(config: DictConfig) -> Path:
 
 
 class Heartbeat:
-    """A line into the sweep's output at least every `every_s` while a job runs: how long it
-    has run, and the last line it logged (its progress: memexp.progress). The job's own output
-    goes to its log file, which nobody watches mid-sweep; a silent console on a busy machine
-    looks like a hung sweep."""
+    """A line into the sweep's output every `every_s` (hydra.launcher.heartbeat_s) while a job
+    runs: how long it has run, and the last line it logged (its progress: memexp.progress).
+    The job's own output goes to its log file, which nobody watches mid-sweep; a silent
+    console on a busy machine looks like a hung sweep."""
 
-    def __init__(self, name: str, job, started: float, every_s: float = HEARTBEAT_S):
+    def __init__(self, name: str, job, started: float, every_s: float):
         self.name, self.job, self.started, self.every_s = name, job, started, every_s
         self.last = started
 
@@ -317,18 +316,19 @@ class Heartbeat:
                  + (f"; its last line: {line}" if line else ""))
 
 
-def last_logged(path: Path, tail_bytes: int = 4096) -> str | None:
-    """The last line a job wrote to its output file, less the logger's time and name prefix;
-    None before it wrote any."""
+def last_logged(path: Path, tail_bytes: int = 8192) -> str | None:
+    """The last line memexp's logger wrote to a job's output file (not submitit's, nor
+    Hydra's), less its time and name prefix; None before it wrote any."""
     try:
         with path.open("rb") as f:
             f.seek(max(0, f.seek(0, 2) - tail_bytes))
             lines = f.read().decode(errors="replace").splitlines()
     except OSError:
         return None
-    line = next((line.strip() for line in reversed(lines) if line.strip()), None)
     # "[2026-11-26 21:53:46,712][memexp][INFO] - step 47/60 ..." -> "step 47/60 ..."
-    return line.split("] - ", 1)[-1] if line else None
+    return next((line.split("] - ", 1)[1].strip() for line in reversed(lines)
+                 if "][memexp][" in line and "] - " in line and line.split("] - ", 1)[1].strip()),
+                None)
 
 
 def wait(job, heartbeat: Heartbeat, state_every_s: float = 30, poll_s: float = 0.1) -> None:
