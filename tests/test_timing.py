@@ -12,9 +12,10 @@ import pytest
 import torch
 from test_report import chosen_techniques, config_of, rows_of
 
+from memexp import timing as timing_module
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
-from memexp.timing import MIN_PAIRS, MachineLoad, step_timing
+from memexp.timing import MachineLoad, step_timing
 from memexp.trainer import free_cached_memory
 
 from conftest import train
@@ -122,10 +123,10 @@ def test_the_pairs_stop_once_their_ratio_settles_and_an_unsettled_ratio_is_uncer
     trainer, metrics = train(*MLP, "optim.accumulate=2", "data.batch_size=8",
                              "memory.measure_steps=3", "timing.paired_steps=30",
                              "timing.paired_spread=1000", steps=16)
-    timing = trainer.summary_metrics()["timing"]
-    assert [step for step, _ in metrics.baseline_step_times] == list(range(4, 4 + MIN_PAIRS))
+    timing, pairs = trainer.summary_metrics()["timing"], timing_module.MIN_PAIRS
+    assert [step for step, _ in metrics.baseline_step_times] == list(range(4, 4 + pairs))
     assert timing["paired"]["settled"] is True
-    assert timing["timed_steps"] == [[4 + MIN_PAIRS, 16]] and not timing["beside_baseline"]
+    assert timing["timed_steps"] == [[4 + pairs, 16]] and not timing["beside_baseline"]
     short = step_timing([1.0] * 10, [1, 2], 3, None, [[s, 1.0] for s in range(4, 10)], None,
                         1000)["paired"]
     assert short["settled"] is False
