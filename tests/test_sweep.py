@@ -37,7 +37,9 @@ TESTS = Path(__file__).resolve().parent
 def sweep(sweep_dir: Path, *overrides: str, env: dict | None = None,
           timeout: float = 400) -> subprocess.CompletedProcess:
     """`python train.py -m ...` in a subprocess; tests/ is importable (for chaos.Chaos)."""
-    environment = {**os.environ, "PYTHONPATH": str(TESTS), "HYDRA_FULL_ERROR": "0"}
+    # tests/ before the caller's own PYTHONPATH (a checkout's src/ ahead of an installed memexp)
+    path = os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))
+    environment = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0"}
     environment.pop("WANDB_MODE", None)  # the developer's own setting must not leak in
     environment.update(env or {})
     return subprocess.run(
