@@ -2,7 +2,12 @@
 
 import sys
 
-from hydra_plugins.memexp_launcher import server
+try:
+    from hydra_plugins.memexp_launcher import server
+except ModuleNotFoundError as error:  # a python without memexp's packages: not the venv's
+    sys.exit(f"memexp: {sys.executable} cannot import {error.name}: train.py runs in memexp's "
+             "virtual environment. Create it once with `make install`, then `source "
+             ".venv/bin/activate` (or run .venv/bin/python train.py ...)")
 
 if __name__ == "__main__":
     # A sweep's preloaded server starts before the imports below, to import beside them.

@@ -80,8 +80,10 @@ def quick(work: Path) -> dict[str, str]:
     lines = [LOG_PREFIX.sub("", line) for line in (done.stdout + done.stderr).splitlines()]
     first = next(i for i, line in enumerate(lines) if line.startswith("| job |"))
     last = next(i for i, line in enumerate(lines) if line.startswith("Report: "))
-    ended = [line for line in lines if re.match(r"\[\d+/\d+\] job #", line)]
-    block = "\n".join([*ended, "...", *lines[first:last + 1]])
+    # each job's start and end; not its heartbeats, which come with the machine's speed
+    jobs = [line for line in lines
+            if re.match(r"\[\d+/\d+\] job #", line) and ": running, " not in line]
+    block = "\n".join([*jobs, "...", *lines[first:last + 1]])
     block = block.replace(str(sweep_dir), "outputs/sweeps/<time>")
     with open(sweep_dir / "report.csv") as f:
         rows = {row["config"]: row for row in csv.DictReader(f)}

@@ -4,6 +4,7 @@ real composition errors; HYDRA_FULL_ERROR=1 still gets the whole exception."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 import traceback
 
@@ -16,7 +17,7 @@ from memexp import errors
 from memexp.result import error_message
 from memexp.trainer import validate
 
-from conftest import compose_train, fill, run_train_py, small_filesystem
+from conftest import REPO, compose_train, fill, run_train_py, small_filesystem
 
 
 def composition_error(*overrides: str) -> HydraException:
@@ -38,6 +39,35 @@ def composition_error(*overrides: str) -> HydraException:
 def test_composition_errors_are_the_message_and_the_valid_choices(override, told):
     message = errors.describe(composition_error(override))
     assert message.startswith(told) and len(message.splitlines()) <= 2
+
+
+@pytest.mark.parametrize(("overrides", "told"), [
+    (("model=custom", "model._target_=torch.nn.Linear", "model.in_features=8"),
+     "model.in_features: model has no key 'in_features'\n  valid keys of model: _target_\n"
+     "  torch.nn.Linear takes in_features, which this config does not list: to give it, add "
+     "the key: +model.in_features=8"),
+    (("model=mlp", "model.width=8"), "model.width: model has no key 'width'\n  valid keys of "
+     "model: _target_, num_classes, in_channels, image_size, hidden, depth, inplace"),
+    (("data=dataset", "model=custom", "model._target_=torch.nn.Linear",
+      "data.eval._target_=mypkg.Eval"),
+     "data.eval._target_: data.eval has no keys to set: it is null or empty in this config. "
+     "To give it '_target_', add the key: +data.eval._target_=mypkg.Eval"),
+], ids=["custom: add it", "mlp: a typo", "null node"])
+def test_a_missing_key_suggests_adding_it_where_the_target_takes_it(overrides, told):
+    """`+key=value` where the option's target takes the key (model=custom passes exactly the
+    keys given), never an empty list of valid keys."""
+    assert errors.describe(composition_error(*overrides)) == told
+
+
+def test_train_py_outside_its_environment_says_to_activate_it(tmp_path):
+    """A python without memexp's packages (here the venv's, without its site-packages)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    done = subprocess.run([sys.executable, "-S", str(REPO / "train.py"), "model=mlp"],
+                          capture_output=True, text=True, timeout=60, cwd=tmp_path, env=env)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.startswith(f"memexp: {sys.executable} cannot import hydra_plugins: "
+                                  "train.py runs in memexp's virtual environment. Create it "
+                                  "once with `make install`, then `source .venv/bin/activate`")
 
 
 def test_main_tells_bad_input_in_its_own_words_unless_hydra_full_error(monkeypatch):

@@ -6,9 +6,11 @@ from __future__ import annotations
 import itertools
 
 from test_report import result, rows_of
+from test_timing import result as timed
 
 from memexp.memory.timeline import Timeline
 from memexp.plots import overlap, place_labels, write_plots
+from memexp.report import markdown_table
 
 MIB = 2**20
 
@@ -93,3 +95,30 @@ def test_the_timeline_and_the_breakdown_give_each_category_one_colour(tmp_path, 
     for category in ("grads", "activations", "other"):
         assert stacked[category] == legend[category], category
     assert stacked["params_and_optimizer"] == legend["params"]
+
+
+def test_the_plots_show_the_tables_figures_and_keep_its_uncertain_marks(tmp_path):
+    """The throughput chart plots the table's throughput column (not the base's over a paired
+    ratio); a time the table marks `?` keeps the mark and stays off the Pareto front, however
+    good it looks (x0.09 on a busy machine); the accuracy axis starts at 0."""
+    rows = rows_of(
+        timed(["checkpointing=none"], 1.0, peak=100),
+        # its own steps, alone, took 1.5 s; beside its baseline, 1.3x the baseline's
+        timed(["checkpointing=full"], 1.5, peak=60, paired=1.3, checkpointing="full"),
+        timed(["checkpointing=offload"], 0.09, peak=50, paired=0.09, busy=True,
+              checkpointing="offload"),
+    )
+    for row, accuracy in zip(rows, (0.52, 0.51, 0.505), strict=True):
+        row.result["metrics"]["eval_accuracy"] = accuracy
+    charts = {chart.path.name: chart for chart in write_plots(rows, tmp_path)}
+    speed = charts["memory_vs_throughput.png"]
+    assert [y for _, y in speed.points] == [row.metrics["throughput"] for row in rows]
+    assert speed.labels == ["checkpointing=none", "checkpointing=full",
+                            "checkpointing=offload ?"]
+    assert speed.front == ["checkpointing=full", "checkpointing=none"]
+    # the table marks the same row, in its time ratio and its throughput
+    table = markdown_table(rows).splitlines()
+    assert "0.09?" in table[-1] and "711.1? samples/s" in table[-1]
+    assert "?" not in table[-2]
+    accuracy = charts["memory_vs_accuracy.png"]
+    assert accuracy.y_limits[0] == 0 and accuracy.labels[2] == "checkpointing=offload"

@@ -54,7 +54,9 @@ def sweep_command(sweep_dir: Path, overrides: tuple[str, ...]) -> list[str]:
 
 
 def sweep_env(env: dict | None) -> dict:
-    environment = {**os.environ, "PYTHONPATH": str(TESTS), "HYDRA_FULL_ERROR": "0"}
+    # tests/ before the caller's own PYTHONPATH (a checkout's src/ ahead of an installed memexp)
+    path = os.pathsep.join(filter(None, (str(TESTS), os.environ.get("PYTHONPATH"))))
+    environment = {**os.environ, "PYTHONPATH": path, "HYDRA_FULL_ERROR": "0"}
     environment.pop("WANDB_MODE", None)  # the developer's own setting must not leak in
     environment.update(env or {})
     return environment
@@ -172,7 +174,8 @@ def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path, capsys):
 @early()
 def chaos_sweep(folder: Path) -> Ran:
     return read(folder, "chaos", *TINY_DATA, "logger=wandb", "model=custom",
-                "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok")
+                "model._target_=chaos.Chaos", "+model.mode=ok,raise,oom,diverge,kill,ok",
+                "hydra.launcher.heartbeat_s=0.2")
 
 
 def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
@@ -191,9 +194,14 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
     for job in "05":  # no finished result is lost
         assert found[job]["metrics"]["eval_accuracy"] is not None
     assert_serial(list(found.values()))
-    # One line per job as it ended, in the sweep's own output, with the count done so far.
-    ended = [line for line in (done.stdout + done.stderr).splitlines()
+    # In the sweep's own output, one line per job as it started, a heartbeat while it runs
+    # (hydra.launcher.heartbeat_s), and one as it ended, with its place in the sweep.
+    lines = [line for line in (done.stdout + done.stderr).splitlines()
              if re.search(r"\[\d+/6\] job #", line)]
+    for job in range(6):
+        mine = [line.split(": ", 1)[1] for line in lines if f"/6] job #{job} " in line]
+        assert mine[0] == "started" and mine[1].startswith("running, "), mine
+    ended = [line for line in lines if not line.endswith(": started") and ": running, " not in line]
     assert len(ended) == 6
     for job, (line, status) in enumerate(zip(ended, statuses, strict=True)):
         peak = found[str(job)]["memory"] and found[str(job)]["memory"]["peak_bytes"]

@@ -12,6 +12,7 @@ import pytest
 import torch
 from test_report import chosen_techniques, config_of, rows_of
 
+from memexp import timing as timing_module
 from memexp.device import free_cached_memory
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
@@ -53,14 +54,14 @@ def test_a_run_too_short_for_untracked_steps_says_its_time_is_tracked():
 def test_step_timing_takes_untracked_steps_past_warmup():
     times = [9.0, 8.0, 7.0, 1.0, 2.0, 3.0, 4.0, 5.0]
     timing = step_timing(times, measured=[1, 2, 3], warmup_steps=4, others_share=0.5,
-                         baseline_times=[], unpaired="the run is its own baseline")
+                         baseline_times=[], unpaired="the run is its own baseline", spread=0.1)
     assert timing["timed_steps"] == [[5, 8]]
     assert timing["step_time_s"] == 3.5 and timing["step_time_iqr_s"] == [2.75, 4.25]
     assert timing["busy"] is True
     assert timing["paired"] == {"skipped": "the run is its own baseline"}
-    assert step_timing(times, [1, 2, 3], 1, 0.0, [], None)["timed_steps"] == [[4, 8]]
+    assert step_timing(times, [1, 2, 3], 1, 0.0, [], None, 0.1)["timed_steps"] == [[4, 8]]
     # every step measured: the tracked ones past warm-up
-    tracked = step_timing(times[:3], [1, 2, 3], 1, None, [], None)
+    tracked = step_timing(times[:3], [1, 2, 3], 1, None, [], None, 0.1)
     assert tracked["tracked"] is True and tracked["timed_steps"] == [[2, 3]]
 
 
@@ -68,26 +69,26 @@ def test_the_paired_ratio_is_the_median_of_the_step_by_step_ratios_over_timed_st
     times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5]
     # the baseline beside steps 3-7; step 3 is warm-up, so it is not timed and not paired
     beside = [[3, 1.0], [4, 2.0], [5, 2.0], [6, 2.0], [7, 1.0]]
-    paired = step_timing(times, [1, 2], 3, None, beside, None)["paired"]
+    paired = step_timing(times, [1, 2], 3, None, beside, None, 0.1)["paired"]
     # step-by-step ratios 1.5, 2.0, 3.0, 1.5
     assert paired == {"steps": [[4, 7]], "baseline_step_time_s": 2.0, "ratio": 1.75,
-                      "ratio_iqr": [1.5, 2.25]}
+                      "ratio_iqr": [1.5, 2.25], "settled": False}
 
 
 def test_the_step_time_is_of_the_steps_that_ran_alone_where_enough_did():
     times = [9.0, 9.0, 2.0, 3.0, 4.0, 6.0, 1.5, 1.0, 1.0, 1.5, 1.0]
     beside = [[4, 2.0], [5, 2.0], [6, 2.0]]  # two models taking turns: slower steps
-    timing = step_timing(times, [1, 2], 3, None, beside, None)
+    timing = step_timing(times, [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[7, 11]] and timing["step_time_s"] == 1.0
     assert timing["beside_baseline"] is False and timing["paired"]["steps"] == [[4, 6]]
     # fewer than ALONE_STEPS alone: every untracked step, and the record says so
-    timing = step_timing(times[:8], [1, 2], 3, None, beside, None)
+    timing = step_timing(times[:8], [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[4, 8]] and timing["beside_baseline"] is True
     # no step ran alone
-    timing = step_timing(times[:6], [1, 2], 3, None, beside, None)
+    timing = step_timing(times[:6], [1, 2], 3, None, beside, None, 0.1)
     assert timing["timed_steps"] == [[4, 6]] and timing["beside_baseline"] is True
     # a baseline that failed after its first pairs: the partial ratio says why it stopped
-    stopped = step_timing(times, [1, 2], 3, None, beside, "the baseline failed")["paired"]
+    stopped = step_timing(times, [1, 2], 3, None, beside, "the baseline failed", 0.1)["paired"]
     assert stopped["steps"] == [[4, 6]] and stopped["stopped"] == "the baseline failed"
 
 
@@ -113,6 +114,26 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
     # its own step time is of the steps after the pairs, which ran alone
     assert timing["timed_steps"] == [[10, 14]] and timing["beside_baseline"] is False
     assert alone.summary_metrics()["timing"]["paired"] == {"skipped": "timing.paired_steps=0"}
+
+
+def test_the_pairs_stop_once_their_ratio_settles_and_an_unsettled_ratio_is_uncertain():
+    """timing.paired_steps is a cap: a spread this wide settles at MIN_PAIRS pairs, whatever
+    the machine's speed, and the steps after them run alone. A ratio whose pairs ran out
+    before it settled (6 pairs, fewer than MIN_PAIRS) is marked uncertain in the report."""
+    trainer, metrics = train(*MLP, "optim.accumulate=2", "data.batch_size=8",
+                             "memory.measure_steps=3", "timing.paired_steps=30",
+                             "timing.paired_spread=1000", steps=16)
+    timing, pairs = trainer.summary_metrics()["timing"], timing_module.MIN_PAIRS
+    assert [step for step, _ in metrics.baseline_step_times] == list(range(4, 4 + pairs))
+    assert timing["paired"]["settled"] is True
+    assert timing["timed_steps"] == [[4 + pairs, 16]] and not timing["beside_baseline"]
+    short = step_timing([1.0] * 10, [1, 2], 3, None, [[s, 1.0] for s in range(4, 10)], None,
+                        1000)["paired"]
+    assert short["settled"] is False
+    record = result(["checkpointing=full"], 1.3, paired=1.3, checkpointing="full")
+    record["metrics"]["timing"]["paired"] |= {"settled": False}
+    rows = rows_of(result(["checkpointing=none"], 1.0), record)
+    assert rows[1].time_doubt.startswith("its step-by-step ratios had not settled")
 
 
 @pytest.mark.cuda

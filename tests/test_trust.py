@@ -402,6 +402,22 @@ def test_a_model_that_cannot_be_built_says_why(tmp_path, overrides, says, not_sa
     assert says in shown and not_says not in shown, shown
 
 
+def test_your_own_module_imports_from_the_directory_train_py_runs_in(tmp_path):
+    """`python /path/to/train.py` puts train.py's folder on sys.path, not the user's; memexp
+    adds the working directory. Where the module is not there, the error gives the line that
+    makes it importable, not the command the user just typed."""
+    (tmp_path / "mynet.py").write_text(
+        "from torch import nn\n\n\nclass Net(nn.Sequential):\n    def __init__(self):\n"
+        "        super().__init__(nn.Flatten(), nn.Linear(3 * 8 * 8, 10))\n")
+    done = run_train_py(tmp_path, "model=custom", "model._target_=mynet.Net", "debug=fast",
+                        "data.image_size=8", "data.num_eval=64", "logger=none")
+    assert done.returncode == 0, done.stderr[-3000:]
+    error = attempt(tmp_path / "run2", "model=custom", "model._target_=nothere.Net",
+                    "trainer.max_steps=1")["error"]
+    assert f"memexp imports your modules from the directory it runs in ({os.getcwd()})" in error
+    assert "export PYTHONPATH=/folder/holding/nothere:$PYTHONPATH" in error
+
+
 # -- 13: smaller points ---------------------------------------------------------------------------
 def test_result_json_is_strict_json_with_null_and_a_reason_for_nan(tmp_path):
     def refuse(constant):

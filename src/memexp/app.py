@@ -17,7 +17,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from memexp import distributed, errors, run_folder
+from memexp import distributed, errors, import_from_working_directory, run_folder
 from memexp.build import build
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
@@ -275,6 +275,7 @@ def follow_rank_zero() -> None:
 
 
 def main() -> None:
+    import_from_working_directory()
     try:
         hydra_entry()
         errors.exit_done()

@@ -3,6 +3,8 @@ why not."""
 
 from __future__ import annotations
 
+import os
+
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
 from omegaconf import DictConfig
@@ -33,7 +35,7 @@ def build_model(node: DictConfig) -> nn.Module:
         hint = ("\nFor your own model use `model=custom model._target_=pkg.Class` and give its "
                 "arguments as +model.<key>=...")
         if isinstance(root, ImportError):
-            why = f"cannot be imported ({type(root).__name__}: {root}){hint}"
+            why = f"cannot be imported ({type(root).__name__}: {root}){importable(node, root)}"
         elif root is error:  # Hydra refused the target itself
             why = " ".join(line for line in str(error).splitlines()
                            if not line.startswith("full_key:"))
@@ -41,3 +43,14 @@ def build_model(node: DictConfig) -> nn.Module:
             why = f"raised {type(root).__name__}: {root} (given the keys {keys})"
             why += hint if isinstance(root, TypeError) else ""
         raise InstantiationException(f"model._target_={node._target_}: {why}") from error
+
+
+def importable(node: DictConfig, error: ImportError) -> str:
+    """The line that makes the model's own module importable, where it is the one missing (not
+    one that it imports)."""
+    top = str(node._target_).split(".")[0]
+    if not isinstance(error, ModuleNotFoundError) or error.name != top:
+        return ""
+    return (f"\nmemexp imports your modules from the directory it runs in ({os.getcwd()}) and "
+            f"from PYTHONPATH: run it in the folder that holds {top}/ or {top}.py, or first "
+            f"`export PYTHONPATH=/folder/holding/{top}:$PYTHONPATH`")

@@ -12,6 +12,7 @@ import os
 import sys
 from pathlib import Path
 
+from memexp import import_from_working_directory
 from memexp.errors import BAD_INPUT, reader_left
 from memexp.errors import describe as describe_error
 from memexp.gpus import GPUS, gpu
@@ -185,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--verify-steps", type=int, default=5,
                              help="steps of each verification run")
     plan_parser.set_defaults(handler=plan)
+    import_from_working_directory()
     try:
         args = parser.parse_args(argv)
         try:

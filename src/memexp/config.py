@@ -104,6 +104,10 @@ class TimingConfig:
     # their time ratio then sees the same machine at the same moments. 0: none (the report then
     # divides the median step times of separate runs, which carry each process's speed)
     paired_steps: int = 40
+    # ... or fewer: from memexp.timing.MIN_PAIRS pairs on, the pairing stops once the step-by-step
+    # ratios' interquartile range is within this fraction of their median. A ratio whose pairs
+    # ran out first is marked uncertain (`?`) in the report
+    paired_spread: float = 0.1
 
 
 @dataclass

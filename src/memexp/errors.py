@@ -59,10 +59,7 @@ def describe(error: BaseException) -> str:
         return (f"{group}={name}: there is no such option\n"
                 f"  valid choices for {group}: {', '.join(error.options)}")
     if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and cause.parent_node is not None:
-        node, _, key = (cause.full_key or "").rpartition(".")
-        keys = [str(k) for k in cause.parent_node if k != "hydra"]
-        return (f"{cause.full_key}: {node or 'the config'} has no key '{key}'\n"
-                f"  valid keys of {node or 'the config'}: {', '.join(keys)}")
+        return no_such_key(cause.full_key or "", cause.parent_node, str(error))
     if isinstance(error, OverrideParseException):
         return (f"{error.override}: not a valid override. Quote values with characters such "
                 "as ~ or spaces, the whole argument in single quotes and the value in double "
@@ -73,6 +70,41 @@ def describe(error: BaseException) -> str:
         return f"{override}: {first_line(str(cause))}"
     # Hydra's own messages list the options; its config search path is noise to a user.
     return str(error).split("\nConfig search path")[0].strip()
+
+
+def no_such_key(full_key: str, parent: DictConfig, message: str) -> str:
+    """An override of a key its config lacks: the valid keys, or why there are none; and the
+    override that adds it (`+key=value`, as Hydra's `message` spells it) where the option takes
+    keys it does not list (its target takes that argument, or **kwargs: model=custom passes
+    exactly the keys given)."""
+    node, _, key = full_key.rpartition(".")
+    where = node or "the config"
+    keys = [str(k) for k in parent if k != "hydra"]
+    spelled = re.search(r"use (\+\S+)", message)  # "To append to your config use +a.b=1"
+    add = spelled.group(1) if spelled else f"+{full_key}=..."
+    if not keys:  # data.eval: null, for one
+        return (f"{full_key}: {where} has no keys to set: it is null or empty in this config. "
+                f"To give it '{key}', add the key: {add}")
+    lines = [f"{full_key}: {where} has no key '{key}'",
+             f"  valid keys of {where}: {', '.join(keys)}"]
+    if takes_argument(parent, key):
+        lines.append(f"  {parent._target_} takes {key}, which this config does not list: to "
+                     f"give it, add the key: {add}")
+    return "\n".join(lines)
+
+
+def takes_argument(node: DictConfig, key: str) -> bool:
+    """Whether the node's `_target_` takes `key` as an argument (by name, or **kwargs)."""
+    import inspect
+
+    from hydra.utils import get_object
+
+    try:
+        target = get_object(str(node._target_))
+        parameters = inspect.signature(target).parameters.values()
+    except Exception:  # no target, or one that does not import: its build will say so
+        return False
+    return any(p.name == key or p.kind is p.VAR_KEYWORD for p in parameters)
 
 
 def first_line(text: str) -> str:

@@ -118,6 +118,11 @@ class PairedBaseline:
     def holds_memory(self) -> bool:
         return not self.dropped
 
+    def settled(self) -> None:
+        """The ratio's spread is within timing.paired_spread: no more pairs are needed."""
+        log.info("timing: the ratio to the baseline settled after %d pairs", len(self.times))
+        self._drop()
+
     def _drop(self) -> None:
         self.trainer = self.batches = None
         self.dropped = True

@@ -4,8 +4,12 @@
   failed or were killed are hatched bars with their status where their peak is known; a note
   under the chart names the jobs whose peak is not known.
 - `memory_vs_throughput.png`, `memory_vs_accuracy.png`: one point per successful job, labelled
-  with the overrides that vary across the sweep, and the Pareto front. The throughput axis is
-  logarithmic when its values span more than 10x.
+  with the overrides that vary across the sweep, and the Pareto front. They plot the report
+  table's figures: its throughput column (where the sweep has one unit; else the speed its
+  step time x base column gives), and its eval accuracy. A point whose time the table marks
+  uncertain (`?`) keeps the mark, is drawn hollow, and stays off the throughput chart's Pareto
+  front. The throughput axis is logarithmic when its values span more than 10x; the accuracy
+  axis starts at 0, so that a small gap looks small.
 
 Every chart has a title and units, and its legend and notes outside the data. Labels are placed
 by `place_labels`, a small deterministic search that keeps them apart.
@@ -20,7 +24,7 @@ from pathlib import Path
 from textwrap import shorten
 
 from memexp.result import CATEGORY_ORDER, category_color, error_message
-from memexp.rows import MIB, Row, pareto_front, speed
+from memexp.rows import MIB, UNCERTAIN, Row, pareto_front
 
 DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
 LOG_SPAN = 10  # a value axis whose largest value is more than this times its smallest is log
@@ -36,6 +40,11 @@ class Chart:
     axes: tuple[str, str]  # x, y
     labels: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # a scatter's points (x, y) in the order of `labels`, the labels on its Pareto front, and
+    # the value axis's limits
+    points: list[tuple[float, float]] = field(default_factory=list)
+    front: list[str] = field(default_factory=list)
+    y_limits: tuple[float, float] | None = None
 
 
 # -- label placement ----------------------------------------------------------------------------
@@ -119,17 +128,19 @@ def write_plots(rows: list[Row], sweep_dir: Path) -> list[Chart]:
         charts.append(breakdown_chart(rows, sweep_dir / "memory_breakdown.png"))
     units = {row.metrics.get("throughput_unit") for row in rows if row.ok}
     unit = next(iter(units)) if len(units) == 1 else None
-    scatters = (  # file, y axis, what it shows, its value, log scale when wide
+    def speed(row: Row) -> float | None:  # the table's step time x base, as a speed
+        return 1 / row.step_time_ratio if row.step_time_ratio else None
+
+    scatters = (  # file, y axis, what it shows, its value, whether it is uncertain, timed
         ("memory_vs_throughput.png", f"throughput ({unit})" if unit else
-         "speed against its baseline (x)", "throughput" if unit else "speed",
-         lambda row: speed(row, rows) or None, True),
+         "speed against its base (1 / step time x base)", "throughput" if unit else "speed",
+         (lambda row: row.metrics.get("throughput")) if unit else speed, True),
         ("memory_vs_accuracy.png", "eval accuracy (fraction correct)", "accuracy",
          lambda row: row.metrics.get("eval_accuracy"), False),
     )
-    for name, axis, what, value, log_when_wide in scatters:
+    for name, axis, what, value, timed in scatters:
         if any(row.ok and value(row) is not None for row in rows):
-            charts.append(scatter_chart(rows, sweep_dir / name, axis, what, value,
-                                        log_when_wide))
+            charts.append(scatter_chart(rows, sweep_dir / name, axis, what, value, timed))
     return charts
 
 
@@ -185,24 +196,39 @@ def breakdown_notes(drawn: list[Row], unknown: list[Row]) -> list[str]:
 
 
 def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
-                  value: Callable[[Row], float | None], log_when_wide: bool) -> Chart:
+                  value: Callable[[Row], float | None], timed: bool) -> Chart:
+    """`timed`: the value is a speed (uncertain where the table's time is, log scale when
+    wide); else an accuracy (an axis from 0)."""
     import matplotlib.pyplot as plt
 
     shown = [row for row in rows if row.ok and value(row) is not None]
     points = [(row.peak / MIB, value(row)) for row in shown]
-    labels = labels_of(shown)
+    uncertain = [timed and row.time_doubt is not None for row in shown]
+    labels = [label + f" {UNCERTAIN}" * doubt
+              for label, doubt in zip(labels_of(shown), uncertain, strict=True)]
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=DPI)
     figure.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.12)
     ys = [y for _, y in points]
-    logarithmic = log_when_wide and min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
+    logarithmic = timed and min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
     if logarithmic:
         axes.set_yscale("log")
-    axes.scatter([x for x, _ in points], ys, color="tab:blue", zorder=3)
-    front = pareto_front(points)
+    for doubt in (False, True):
+        mine = [point for point, d in zip(points, uncertain, strict=True) if d == doubt]
+        if mine:
+            axes.scatter([x for x, _ in mine], [y for _, y in mine], zorder=3,
+                         color="none" if doubt else "tab:blue", edgecolors="tab:blue",
+                         label=f"{UNCERTAIN} uncertain time (the report's table says why): not "
+                               "on the front" if doubt else None)
+    # An uncertain time may be far off (a x0.09 step time on a busy machine): it would push
+    # the certain points off the front.
+    certain = [i for i, doubt in enumerate(uncertain) if not doubt]
+    front = [certain[i] for i in pareto_front([points[i] for i in certain])]
     axes.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-",
               color="tab:red", markerfacecolor="none", markersize=11, zorder=2,
               label=f"Pareto front: no other job has both less memory and more {what}")
     axes.margins(x=0.25, y=0.2)
+    if not timed:
+        axes.set_ylim(bottom=0)
     axes.set_xlabel("peak memory (MiB)")
     axes.set_ylabel(axis + (", log scale" if logarithmic else ""))
     axes.set_title(f"Peak memory vs {what}: sweep {path.parent.name}")
@@ -212,7 +238,10 @@ def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
     notes = ["Not shown: " + "; ".join(
         f"{label.replace(chr(10), ' ')} ({row.status if row.status != 'ok' else f'no {what}'})"
         for row, label in zip(left_out, labels_of(left_out), strict=True))] if left_out else []
-    return save(figure, axes, path, labels, notes, notes_below=70)
+    y_limits = axes.get_ylim()
+    chart = save(figure, axes, path, labels, notes, notes_below=70)
+    chart.points, chart.front, chart.y_limits = points, [labels[i] for i in front], y_limits
+    return chart
 
 
 def annotate(figure, axes, points: list[tuple[float, float]], labels: list[str]) -> None:

@@ -48,7 +48,7 @@ from memexp.result import (
     mib,
     printable,
 )
-from memexp.rows import MIB, Row, speed, speed_range
+from memexp.rows import MIB, UNCERTAIN, Row, speed, speed_range
 
 log = logging.getLogger("memexp")
 HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
@@ -195,6 +195,9 @@ def add_time_ratio(row: Row, base: Row) -> None:
     elif beside:
         row.time_doubt = (f"{jobs(beside)} timed no step alone, only beside their baseline's, "
                           "which slows a step")
+    elif paired is not None and paired.get("settled") is False:  # older records lack it
+        row.time_doubt = ("its step-by-step ratios had not settled within "
+                          "timing.paired_spread when its pairs ran out")
     elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
         row.time_doubt = "its spread overlaps 1.0"
 
@@ -290,7 +293,8 @@ def time_ratio_cell(row: Row) -> str:
     if row.step_time_ratio is None:
         return "-"
     low, high = row.step_time_range
-    return f"{row.step_time_ratio:.2f}{'?' if row.time_doubt else ''} ({low:.2f}-{high:.2f})"
+    return (f"{row.step_time_ratio:.2f}{UNCERTAIN if row.time_doubt else ''} "
+            f"({low:.2f}-{high:.2f})")
 
 
 TIME_LEGEND = ("Step time x base: the step time, taken with the storage tracker off, against the "
@@ -331,7 +335,8 @@ def markdown_table(rows: list[Row]) -> str:
     for row in rows:
         r = csv_record(row)
         mark = HALF_MARK if half_precision_on_cpu(row.result) else ""
-        throughput = (f"{r['throughput']:.1f} {r['throughput_unit']}{mark}"
+        doubt = UNCERTAIN if row.time_doubt else ""  # as its time ratio's: the same steps
+        throughput = (f"{r['throughput']:.1f}{doubt} {r['throughput_unit']}{mark}"
                       if r["throughput"] is not None else "-")
         lines.append(
             f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | "

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from memexp.baseline import baseline_config, same_steps
 
 MIB = 2**20
+UNCERTAIN = "?"  # beside a time ratio, and its throughput, that cannot be trusted (Row.time_doubt)
 
 
 @dataclass

@@ -18,7 +18,11 @@ configs'. A run therefore times its baseline beside itself (`timing.paired_steps
 memexp.baseline): their steps alternate in one process, and the median of the step-by-step
 ratios (`paired`) is what the report gives as the run's step time against its baseline. Two
 models taking turns slow each other's steps, so the run's own step time (and throughput) comes
-from the timed steps after the pairs, which run alone.
+from the timed steps after the pairs, which run alone. The pairs go on only until the ratio is
+known well enough: from MIN_PAIRS pairs on, the run drops its baseline once the ratios'
+interquartile range is within `timing.paired_spread` of their median (`settled`); a ratio whose
+pairs ran out first (`timing.paired_steps`, or the run's end) is not settled, and the report
+marks it uncertain.
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from dataclasses import dataclass
 BUSY_SHARE = 0.10
 # The fewest steps that ran alone (after the pairs with the baseline) that give the run's step time.
 ALONE_STEPS = 5
+# The fewest pairs whose ratios' spread can settle the ratio.
+MIN_PAIRS = 8
 
 
 def machine_cpu_ticks() -> tuple[int, int] | None:
@@ -99,10 +105,11 @@ def quartiles(values: list[float]) -> tuple[float, float, float]:
 
 
 def paired_timing(step_times: list[float], untracked: list[int], baseline_times: list[list],
-                  unpaired: str | None) -> dict:
+                  unpaired: str | None, spread: float) -> dict:
     """The run's time against its baseline's, from the untracked steps past warm-up that ran
     beside one of the baseline's steps (memexp.paired.PairedBaseline): the median of the
-    step-by-step ratios and their interquartile range; else why there is none."""
+    step-by-step ratios, their interquartile range, and whether it is within `spread` of the
+    median over at least MIN_PAIRS pairs (`settled`); else why there is none."""
     candidates = set(untracked)
     pairs = {step: seconds for step, seconds in baseline_times if step in candidates}
     if not pairs:
@@ -110,18 +117,19 @@ def paired_timing(step_times: list[float], untracked: list[int], baseline_times:
     q1, ratio, q3 = quartiles([step_times[step - 1] / seconds for step, seconds in pairs.items()])
     paired = {"steps": step_ranges(sorted(pairs)),
               "baseline_step_time_s": statistics.median(pairs.values()),
-              "ratio": ratio, "ratio_iqr": [q1, q3]}
+              "ratio": ratio, "ratio_iqr": [q1, q3],
+              "settled": len(pairs) >= MIN_PAIRS and q3 - q1 <= spread * ratio}
     return paired | ({"stopped": unpaired} if unpaired else {})  # a baseline that failed later
 
 
 def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
                 others_share: float | None, baseline_times: list[list],
-                unpaired: str | None) -> dict:
+                unpaired: str | None, spread: float) -> dict:
     """The `timing` part of result.json's metrics: the median step time of the untracked steps
     past warm-up that ran alone (of those beside the baseline's where none did; of the tracked
     ones where none is untracked; None where every step was warm-up), its interquartile range,
     which steps were timed and which measured memory, how busy the machine was, and the time
-    against the run's baseline timed beside it (`paired`)."""
+    against the run's baseline timed beside it (`paired`, settled within `spread`)."""
     skip, beside = set(measured), {step for step, _ in baseline_times}
     steps = list(range(1, len(step_times) + 1))
     untracked = [s for s in steps if s not in skip and s > warmup_steps]
@@ -144,5 +152,5 @@ def step_timing(step_times: list[float], measured: list[int], warmup_steps: int,
         "busy": others_share is not None and others_share > BUSY_SHARE,
         # no untracked step ran alone: the step time is of steps beside the baseline's
         "beside_baseline": any(s in beside for s in timed),
-        "paired": paired_timing(step_times, untracked, baseline_times, unpaired),
+        "paired": paired_timing(step_times, untracked, baseline_times, unpaired, spread),
     }

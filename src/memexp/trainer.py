@@ -359,6 +359,8 @@ class Trainer:
                         metrics.step_times.append(time.perf_counter() - started)
                     metrics.measured_steps += [step] if measured else []
                     metrics.losses.append(loss)
+                    if pairing.holds_memory and self.step_timing()["paired"].get("settled"):
+                        pairing.settled()  # the ratio is known well enough: the rest run alone
                     if metrics.bad_steps >= max_bad_steps:
                         raise NonFiniteLoss(
                             f"{metrics.bad_steps} steps with a non-finite loss or gradients (the "
@@ -550,13 +552,18 @@ class Trainer:
             "eval_accuracy": self.metrics.eval_accuracy,
         }
 
+    def step_timing(self) -> dict:
+        """The `timing` part of result.json's metrics (memexp.timing), of the steps so far."""
+        metrics = self.metrics
+        return step_timing(metrics.step_times, metrics.measured_steps,
+                           self.cfg.trainer.warmup_steps, metrics.others_cpu_share,
+                           metrics.baseline_step_times, metrics.unpaired,
+                           self.cfg.timing.paired_spread)
+
     def summary_metrics(self) -> dict:
         """The `metrics` section of result.json (also of a run that stopped early)."""
         metrics = self.metrics
-        timing = step_timing(metrics.step_times, metrics.measured_steps,
-                             self.cfg.trainer.warmup_steps, metrics.others_cpu_share,
-                             metrics.baseline_step_times,
-                             metrics.unpaired) if metrics.step_times else None
+        timing = self.step_timing() if metrics.step_times else None
         step_time = timing["step_time_s"] if timing else None
         items = (self.data.batch_size * self.optim.accumulate * self.parallel.world_size
                  * self.data.items_per_sample)

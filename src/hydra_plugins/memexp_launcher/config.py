@@ -1,6 +1,6 @@
 """Launcher configs: submitit's own (every key of submitit_local / submitit_slurm works the same),
-plus `parallel_jobs`. Registered as hydra/launcher=memexp_local and memexp_slurm; conf/ names
-them `local` and `slurm`."""
+plus `parallel_jobs` and `heartbeat_s`. Registered as hydra/launcher=memexp_local and
+memexp_slurm; conf/ names them `local` and `slurm`."""
 
 from dataclasses import dataclass
 
@@ -23,6 +23,9 @@ class MemexpLocalConf(LocalQueueConf):
     # fork each job, a process of its own, from one that has imported torch and memexp (seconds
     # less per job); false: each job starts a fresh interpreter
     preload: bool = True
+    # the longest a running job goes without a line in the sweep's output: how long it has run
+    # and the last line it logged (its own output goes to its log file)
+    heartbeat_s: float = 15
 
 
 @dataclass
@@ -37,6 +40,9 @@ class MemexpSlurmConf(SlurmQueueConf):
     # timeout_min, from 30 to 120 s (submitit_slurm's fixed 120 s took 2 minutes off every
     # attempt of a short job). SLURM sends it at its 30-second tick: up to 30 s earlier.
     signal_delay_s: int | None = None
+    # the longest a running job goes without a line in the sweep's output: how long it has run
+    # and the last line it logged (its own output goes to its log file)
+    heartbeat_s: float = 15
 
 
 ConfigStore.instance().store(group="hydra/launcher", name="memexp_local",

@@ -49,7 +49,7 @@ log = logging.getLogger(__name__)
 
 # Keys that are this launcher's own, or submitit's executor-construction arguments.
 NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism",
-                      "preload"}
+                      "preload", "heartbeat_s"}
 # submitit's <python> for every job: the job module holds the time-out signal back first.
 JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
 # The same job, forked from a server that has imported torch and memexp (see preloaded).
@@ -137,6 +137,7 @@ class ComposedOnce:
 
 class _SurvivingLauncher(BaseSubmititLauncher):
     _CHUNKED = True  # submit `parallel_jobs` at a time and wait (the local executor has no queue)
+    _STARTED = "started"  # what a job is once submitted
 
     def setup(self, *, hydra_context, task_function, config: DictConfig) -> None:
         super().setup(hydra_context=hydra_context, task_function=task_function, config=config)
@@ -173,16 +174,21 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                          for overrides, number in chunk]
             submitted_at = time.monotonic()
             submitted = self._submit(executor, arguments)
+            names = {number: f"[{first + i + 1}/{len(jobs)}] job #{number} "
+                             f"{' '.join(filter_overrides(overrides))}"
+                     for i, (overrides, number) in enumerate(chunk)}
+            for _, number in chunk:
+                log.info(f"{names[number]}: {self._STARTED}")
             for job, (overrides, number) in zip(submitted, chunk, strict=True):
                 result_file = job_dir(configs[number]) / "result.json"
-                returns.append(self._outcome(job, overrides, number, result_file))
-                log.info(self._ended(overrides, number, result_file, returns[-1].return_value,
-                                     time.monotonic() - submitted_at,
-                                     f"[{len(returns)}/{len(jobs)}]"))
+                heartbeat = Heartbeat(names[number], job, submitted_at,
+                                      self.params["heartbeat_s"])
+                returns.append(self._outcome(job, overrides, number, result_file, heartbeat))
+                log.info(self._ended(names[number], result_file, returns[-1].return_value,
+                                     time.monotonic() - submitted_at))
         return returns
 
-    def _ended(self, overrides: list[str], number: int, result_file: Path, status: str,
-               seconds: float, count: str) -> str:
+    def _ended(self, job: str, result_file: Path, status: str, seconds: float) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
         `memexp show`) says the same, but sits in a folder nobody watches mid-sweep. A job
         that failed (`status`, submitit's) beside a record of a run that did not is a rerun
@@ -190,7 +196,6 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         from memexp.progress import duration
         from memexp.result import BadRecord, load_record, mib
 
-        job = f"{count} job #{number} {' '.join(filter_overrides(overrides))}"
         try:
             record = load_record(result_file)
         except BadRecord as error:
@@ -199,7 +204,10 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             return (f"{job}: refused before it ran (its log says why); {result_file} is an "
                     f"earlier run's record ({record['status']}), kept as it was")
         peak = (record.get("memory") or {}).get("peak_bytes")
-        return f"{job}: {record['status']}, peak {mib(peak)}, {duration(seconds)}"
+        paired = ((record.get("metrics") or {}).get("timing") or {}).get("paired") or {}
+        ratio = (f", step time {paired['ratio']:.2f}x its baseline's"
+                 f"{'' if paired.get('settled', True) else '?'}" if "ratio" in paired else "")
+        return f"{job}: {record['status']}, peak {mib(peak)}{ratio}, {duration(seconds)}"
 
     def __call__(self, sweep_overrides: list[str], singleton_state: dict,
                  sweep_config: DictConfig) -> JobReturn:
@@ -245,21 +253,22 @@ class _SurvivingLauncher(BaseSubmititLauncher):
     def _submit(self, executor, arguments: list[tuple]) -> list:
         return executor.map_array(self, *zip(*arguments, strict=True))
 
-    def _wait(self, job) -> None:
+    def _wait(self, job, heartbeat: Heartbeat) -> None:
         """Until `job` has ended (memexp_launcher.launcher.wait)."""
-        wait(job)
+        wait(job, heartbeat)
 
     def _job_parameters(self) -> dict[str, Any]:
         """The job's resources; unset (None) ones are left to submitit's defaults."""
         return {k: v for k, v in self.params.items()
                 if k not in NOT_JOB_PARAMETERS and v is not None}
 
-    def _outcome(self, job, overrides: list[str], number: int, result_file: Path) -> JobReturn:
+    def _outcome(self, job, overrides: list[str], number: int, result_file: Path,
+                 heartbeat: Heartbeat) -> JobReturn:
         from submitit.core.utils import UncompletedJobError
 
         from memexp.result import record_killed
 
-        self._wait(job)
+        self._wait(job, heartbeat)
         try:
             status = job.results()[0].status.name.lower()
         except UncompletedJobError as error:
@@ -287,7 +296,44 @@ def job_dir(config: DictConfig) -> Path:
     return Path(str(config.hydra.sweep.dir)) / str(config.hydra.sweep.subdir)
 
 
-def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
+class Heartbeat:
+    """A line into the sweep's output every `every_s` (hydra.launcher.heartbeat_s) while a job
+    runs: how long it has run, and the last line it logged (its progress: memexp.progress).
+    The job's own output goes to its log file, which nobody watches mid-sweep; a silent
+    console on a busy machine looks like a hung sweep."""
+
+    def __init__(self, name: str, job, started: float, every_s: float):
+        self.name, self.job, self.started, self.every_s = name, job, started, every_s
+        self.last = started
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        if now - self.last < self.every_s:
+            return
+        self.last = now
+        from memexp.progress import duration
+
+        line = last_logged(Path(self.job.paths.stdout))
+        log.info(f"{self.name}: running, {duration(now - self.started)}"
+                 + (f"; its last line: {line}" if line else ""))
+
+
+def last_logged(path: Path, tail_bytes: int = 8192) -> str | None:
+    """The last line memexp's logger wrote to a job's output file (not submitit's, nor
+    Hydra's), less its time and name prefix; None before it wrote any."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail_bytes))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError:
+        return None
+    # "[2026-11-26 21:53:46,712][memexp][INFO] - step 47/60 ..." -> "step 47/60 ..."
+    return next((line.split("] - ", 1)[1].strip() for line in reversed(lines)
+                 if "][memexp][" in line and "] - " in line and line.split("] - ", 1)[1].strip()),
+                None)
+
+
+def wait(job, heartbeat: Heartbeat, state_every_s: float = 30, poll_s: float = 0.1) -> None:
     """Until the job ends. A job that ends with a result is seen within `poll_s` (a local
     job's process is polled, a SLURM job's result file looked for: both cheap); one that ends
     without (cancelled, killed) only when its state is asked for, and submitit asks SLURM
@@ -295,6 +341,7 @@ def wait(job, state_every_s: float = 30, poll_s: float = 0.1) -> None:
     `state_every_s`: one sacct call for every job of the sweep."""
     asked = time.monotonic()
     while not job.done():
+        heartbeat()
         if time.monotonic() - asked > state_every_s:
             job.done(force_check=True)
             asked = time.monotonic()
@@ -340,10 +387,11 @@ class LocalLauncher(_SurvivingLauncher):
         executor.update_parameters(**parameters)
         return executor
 
-    def _wait(self, job) -> None:
+    def _wait(self, job, heartbeat: Heartbeat) -> None:
         # A local job's end is its process's exit, cheap to check often; submitit's once a
         # second costs half a second per job on average.
         while not job.done():
+            heartbeat()
             time.sleep(0.02)
 
 
@@ -358,6 +406,7 @@ def signal_delay(timeout_min: int) -> int:
 class SlurmLauncher(_SurvivingLauncher):
     _EXECUTOR = "slurm"
     _CHUNKED = False  # one array; SLURM throttles it
+    _STARTED = "submitted"  # it may wait in SLURM's queue
 
     def _refuse_bad_input(self) -> None:
         missing = [c for c in ("sbatch", "sacct", "sinfo") if shutil.which(c) is None]
