@@ -1,7 +1,7 @@
 """The figures README.md and docs/ quote are what a fresh run gives (scripts/readme_figures.py
 writes them).
 
-One quoted job is rerun: the quick sweep's baseline (`make run`'s job 0), 60 steps. Memory is
+One quoted job is rerun: the quick sweep's baseline (`make run`'s job 0), its 27 steps. Memory is
 deterministic here, so its figures must match to the printed digit; accuracy to 3 decimals,
 where torch runs the same CPU kernels as the README's run did. The
 README's single-run summary is the same config trained longer (200 steps), so its memory lines
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow
 
 BASELINE = ["experiment=quick", "checkpointing=none", "optim=sgd"]
 # The README's figures were made with 2 intra-op threads (torch's default on 2 cores); another
-# count sums in another order, and 60 steps later the accuracy differs in the 2nd decimal.
+# count sums in another order, and some steps later the accuracy differs in the 2nd decimal.
 README_THREADS = {**os.environ, "OMP_NUM_THREADS": "2"}
 MEMORY_LINES = ("  peak memory", "    at peak", "    by phase")
 
@@ -70,7 +70,7 @@ def test_the_quick_sweeps_quoted_baseline_memory_is_a_fresh_runs(baseline):
 
 
 def test_the_quick_sweeps_quoted_accuracy_is_a_fresh_runs_on_the_same_kernels(baseline):
-    """Accuracy after 60 steps moves with the order of the float sums, which the CPU kernels
+    """Accuracy after the quick sweep's steps moves with the order of the float sums, which the CPU kernels
     torch picks (AVX512, AVX2) set: it is compared where they are those of the README's run."""
     quoted_kernels = re.search(r"(\w+) kernels", figures("quick-time")).group(1)
     here = torch.backends.cpu.get_cpu_capability()
