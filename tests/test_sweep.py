@@ -48,6 +48,13 @@ def started_sweep(folder: Path, name: str, *overrides: str,
     return Background(sweep_command(folder / name, overrides), folder, sweep_env(env))
 
 
+def ended_lines(done: subprocess.CompletedProcess) -> list[str]:
+    """The sweep's line for each job as it ended (not those as it started, or its heartbeats)."""
+    return [line for line in (done.stdout + done.stderr).splitlines()
+            if re.search(r"\[\d+/\d+\] job #", line) and not line.endswith(": started")
+            and ": running, " not in line]
+
+
 def sweep_command(sweep_dir: Path, overrides: tuple[str, ...]) -> list[str]:
     return [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
             *overrides]
@@ -201,7 +208,7 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
     for job in range(6):
         mine = [line.split(": ", 1)[1] for line in lines if f"/6] job #{job} " in line]
         assert mine[0] == "started" and mine[1].startswith("running, "), mine
-    ended = [line for line in lines if not line.endswith(": started") and ": running, " not in line]
+    ended = ended_lines(done)
     assert len(ended) == 6
     for job, (line, status) in enumerate(zip(ended, statuses, strict=True)):
         peak = found[str(job)]["memory"] and found[str(job)]["memory"]["peak_bytes"]
@@ -437,6 +444,5 @@ def test_a_sweep_job_refused_before_it_ran_is_not_shown_as_its_earlier_record(tm
     assert sweep(sweep_dir, *settings, "optim=sgd").returncode == 0
     done = sweep(sweep_dir, *settings, "optim=adam")
     assert done.returncode != 0
-    line = next(line for line in (done.stdout + done.stderr).splitlines()
-                if "[1/1] job #0" in line)
+    line = next(line for line in ended_lines(done) if "[1/1] job #0" in line)
     assert "refused before it ran" in line and "an earlier run's record (ok)" in line, line
