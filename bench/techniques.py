@@ -85,6 +85,14 @@ MODELS = {
                         "+model.config.max_source_positions=375", "data.seq_len=64",
                         "data.batch_size=4", "data.num_train=64", "data.num_eval=8",
                         "optim=sgd"),
+    # A Llama from LlamaConfig at a small width (4 layers of 128, 4 heads sharing 2 KV heads,
+    # SwiGLU 344) with Llama 2's 32k vocabulary, on 256 tokens, batch 4: the vocabulary-sized
+    # logits are then a large share of the peak, as they are in the real ones.
+    "hf-llama": ("model=hf", "model.arch=llama", "model.task=causal_lm",
+                 "+model.config.num_hidden_layers=4", "+model.config.hidden_size=128",
+                 "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+                 "+model.config.intermediate_size=344", "+model.config.vocab_size=32000",
+                 "data.seq_len=256", "data.batch_size=4", "optim=sgd"),
     # wav2vec2-base, whose sizes are Wav2Vec2Config's defaults (12 layers at width 768, the
     # 7-layer conv feature encoder), on 1 s of 16 kHz audio (49 frames), batch 4; the CTC loss
     # a mean over the batch, as fine-tuning sets it (a sum by default).
@@ -108,6 +116,7 @@ NO_DROPOUT = {
     "timm-convnext": (),
     "timm-vit": (),
     "hf-whisper-tiny": (),  # its dropouts are 0 by default
+    "hf-llama": (),  # LlamaConfig's attention_dropout is 0 by default
     # and SpecAugment's masks, and LayerDrop
     "hf-wav2vec2-base": ("+model.config.hidden_dropout=0", "+model.config.attention_dropout=0",
                          "+model.config.activation_dropout=0", "+model.config.feat_proj_dropout=0",
