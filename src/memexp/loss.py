@@ -16,16 +16,24 @@ run's first forward pass, what the loss could not use; `key` names the option in
 
 from __future__ import annotations
 
+import enum
 import functools
+import importlib.util
+import logging
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, NamedTuple, Protocol
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, NamedTuple, Protocol
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
+from memexp.linear_cross_entropy import chunked_argmax, linear_cross_entropy
+from memexp.models.head import Head, defer_head
 from memexp.reduction import REDUCTIONS, Reduction
+
+log = logging.getLogger("memexp")
 
 
 @dataclass
@@ -159,11 +167,12 @@ def class_hits(logits: Tensor | None, targets: Tensor | None, shift: bool) -> Hi
     return Hits(correct, counted.sum(), outside_classes(targets, counted, classes).sum(), classes)
 
 
-def check_classes(logits: Tensor, targets: Tensor, key: str) -> None:
-    """Integer targets within the logits' classes, at a run's first forward pass (and before an
-    estimate: memexp.prechecks). Only a count is read, which a traced run, whose values are
-    unknown, reads as 0."""
-    classes = logits.shape[-1]
+def check_classes(logits: Tensor, targets: Tensor, key: str, classes: int | None = None) -> None:
+    """Integer targets within the logits' classes (`classes`, where the logits are a head's
+    input: loss=chunked_ce), at a run's first forward pass (and before an estimate:
+    memexp.prechecks). Only a count is read, which a traced run, whose values are unknown,
+    reads as 0."""
+    classes = logits.shape[-1] if classes is None else classes
     outside = outside_classes(targets, targets != IGNORE, classes)
     if int(outside.sum()):
         found = targets[outside]
@@ -214,6 +223,109 @@ class CrossEntropy:
                                   targets_for(batch, "cross_entropy"), self.shift)
         check_class_logits(logits, targets, self.key)
         check_classes(logits, targets, self.key)
+
+
+class Kernel(str, enum.Enum):
+    """loss.impl: who computes chunked_ce's chunks."""
+
+    torch = "torch"  # memexp.linear_cross_entropy: pure PyTorch, any device
+    liger = "liger"  # liger-kernel's fused linear cross-entropy (Triton: CUDA)
+    cce = "cce"  # Apple's Cut Cross-Entropy (cut-cross-entropy, Triton: CUDA)
+
+
+# The package each kernel needs, where it needs one.
+KERNEL_PACKAGES = {Kernel.liger: "liger_kernel", Kernel.cce: "cut_cross_entropy"}
+
+
+def kernel_on(wanted: Kernel, device: torch.device) -> tuple[Kernel, str | None]:
+    """The kernel a run on `device` uses for loss.impl=`wanted`, and why it is not the one
+    wanted, where it is not: liger's and cce's Triton kernels need CUDA and their package."""
+    if wanted is Kernel.torch:
+        return wanted, None
+    package = KERNEL_PACKAGES[wanted]
+    if importlib.util.find_spec(package) is None:
+        return Kernel.torch, f"{package} is not installed"
+    if device.type != "cuda":
+        return Kernel.torch, f"its Triton kernels need a CUDA device, and this run is on {device}"
+    return wanted, None
+
+
+@dataclass
+class ChunkedCrossEntropy:
+    """Cross-entropy of a language model's output head, `chunk_tokens` tokens at a time, which
+    never holds the whole (tokens x vocabulary) logits, their fp32 upcast or their gradient
+    (memexp.linear_cross_entropy): the same loss and gradients as cross_entropy. The model's
+    head is found once (memexp.models.head) and deferred: the model returns its last hidden
+    states, and the loss applies the head. `impl=liger|cce` uses that library's fused kernel
+    where it imports and the device is CUDA; otherwise the run says why and uses `torch`.
+    `shift` as cross_entropy's: targets -100 (padding) count for nothing."""
+
+    shift: bool = False
+    chunk_tokens: int = 256
+    impl: Kernel = Kernel.torch
+    passes_labels = False
+    key = "loss=chunked_ce"
+    sums = False
+    # `memexp plan` tries it where the model has an output head (memexp.plan)
+    planned: ClassVar[tuple[Mapping[str, object], ...]] = ({},)
+    # what the run uses: impl, once the first forward pass says on which device (check)
+    kernel: Kernel = field(default=Kernel.torch, init=False)
+    head: Head | None = field(default=None, init=False)
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 1:
+            raise ValueError(f"loss.chunk_tokens={self.chunk_tokens}: must be >= 1")
+
+    def attach(self, model: nn.Module) -> None:
+        """Find the model's output head, and defer it to this loss."""
+        self.head = defer_head(model, self.key)
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        hidden, targets = logits_of(outputs, "chunked_ce"), targets_of(batch)
+        if self.shift:  # position t predicts t + 1: the last has nothing to predict
+            targets = F.pad(targets[..., 1:], (0, 1), value=IGNORE)
+        hidden, targets = hidden.flatten(0, -2), targets.flatten()
+        linear = self.head.linear
+        if self.kernel is Kernel.liger:
+            from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+            loss = liger_fused_linear_cross_entropy(hidden, linear.weight, targets, linear.bias)
+            return loss[0] if isinstance(loss, tuple) else loss
+        if self.kernel is Kernel.cce:
+            from cut_cross_entropy import linear_cross_entropy as cut_cross_entropy
+
+            return cut_cross_entropy(hidden, linear.weight, targets, bias=linear.bias)
+        return linear_cross_entropy(hidden, linear.weight, linear.bias, targets,
+                                    self.chunk_tokens)
+
+    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
+        targets = targets_of(batch)
+        if outputs.logits is None or targets is None or targets.is_floating_point():
+            return None
+        hidden, targets = aligned(outputs.logits, targets, self.shift)
+        linear = self.head.linear
+        predicted = chunked_argmax(hidden, linear.weight, linear.bias, self.chunk_tokens)
+        counted = targets != IGNORE
+        correct = ((predicted == targets) & counted).sum()
+        classes = linear.out_features
+        return Hits(correct, counted.sum(), outside_classes(targets, counted, classes).sum(),
+                    classes)
+
+    def items(self, batch: Batch) -> int | None:
+        return counted(targets_of(batch), self.shift)
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        hidden, targets = aligned(logits_of(outputs, "chunked_ce"),
+                                  targets_for(batch, "chunked_ce"), self.shift)
+        if targets.is_floating_point() or hidden.shape[:-1] != targets.shape:
+            raise ValueError(
+                f"{self.key}: the head's input {tuple(hidden.shape)} does not fit the batch's "
+                f"targets {tuple(targets.shape)}: it needs integer targets, one per position")
+        check_classes(hidden, targets, self.key, self.head.linear.out_features)
+        self.kernel, why = kernel_on(self.impl, hidden.device)
+        if why is not None:
+            log.info("%s: loss.impl=%s unavailable (%s): using loss.impl=torch", self.key,
+                     self.impl.value, why)
 
 
 @dataclass
@@ -315,9 +427,13 @@ class UserLoss:
 
 def as_loss(built: Any, model: nn.Module) -> Loss:
     """A `loss` option as built, for `model`: memexp's own options, or a user's callable.
-    loss=model takes the reduction of the model's own loss (`REDUCTIONS`)."""
+    loss=model takes the reduction of the model's own loss (`REDUCTIONS`); loss=chunked_ce
+    takes over the model's output head."""
     if isinstance(built, ModelLoss):
         built.reduction = REDUCTIONS.get(model, Reduction.LABELS)
+        return built
+    if isinstance(built, ChunkedCrossEntropy):
+        built.attach(model)
         return built
     if isinstance(built, (CrossEntropy, MSE)):
         return built

@@ -27,7 +27,8 @@ from memexp.models.hf import load_warnings
 
 # the technique groups, as the root config lists them (memexp.registry)
 GROUPS = registry.techniques()
-CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
+# offloaded last: every category before it is in the device's peak (the report's columns)
+CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "loss", "other", "offloaded")
 
 
 def category_color(category: str) -> str:

@@ -31,7 +31,7 @@ from memexp.data.tensors import IGNORE, map_batch, map_inputs
 from memexp.device import free_cached_memory, pick_device
 from memexp.errors import abbreviated
 from memexp.loss import Outputs, as_loss, call_model, shares
-from memexp.memory import MemoryMeter
+from memexp.memory import LossBoundary, MemoryMeter, computing_loss
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.sizes import parse_size
 from memexp.models import LOADED
@@ -234,6 +234,17 @@ class Trainer:
     def forward(self, batch: Batch) -> Outputs:
         return call_model(self.model, batch, self.loss.passes_labels)
 
+    def compute_loss(self, outputs: Outputs, batch: Batch) -> Tensor:
+        """The loss, whose memory (forward and backward, down to the logits) the meter counts
+        as the loss's own category."""
+        with computing_loss():
+            if outputs.logits is not None and outputs.logits.requires_grad:
+                outputs.logits = LossBoundary.apply(outputs.logits, False)
+            loss = self.loss(outputs, batch)
+            # (check_loss refuses a loss that is not a tensor, after this)
+            marked = isinstance(loss, Tensor) and loss.requires_grad
+            return LossBoundary.apply(loss, True) if marked else loss
+
     def train_step(self, batches: Iterator[Batch]) -> float:
         """One optimizer step over `optim.accumulate` micro-batches; returns the mean loss."""
         accumulate, meter, losses = self.optim.accumulate, self.meter, []
@@ -249,7 +260,7 @@ class Trainer:
                     outputs = self.forward(batch)
                     if self.first_step:
                         self.loss.check(outputs, batch)
-                    loss = self.loss(outputs, batch)
+                    loss = self.compute_loss(outputs, batch)
                     del outputs  # the logits go as soon as the loss no longer needs them
                     if self.first_step:
                         check_loss(loss, self.loss.key, self.trainable)

@@ -7,6 +7,8 @@ The category breakdown always comes from the tracker (the allocator knows sizes,
 - grads:       `.grad` of those parameters
 - optimizer:   optimizer state, and fp32 master copies the optimizer updates instead of the model
 - activations: tensors created by the forward pass that are still alive (saved for backward)
+- loss:        tensors the loss allocates, and backward between the loss and its input (the
+               logits' upcast, log-softmax and gradients; memexp.memory.tracker.computing_loss)
 - other:       everything else: the batch, backward temporaries, optimizer-step temporaries
 - offloaded:   host-resident copies (activation offload, CPU-offloaded params); not in the peak
 """

@@ -24,7 +24,7 @@ from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.timeline import Timeline
 
 # Live storages are grouped into these categories when a peak is recorded.
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+CATEGORIES = ("params", "grads", "optimizer", "activations", "loss", "other")
 # Storages created while `host_resident()` is active (offloaded activations, CPU-offloaded
 # parameters) are host memory: reported in their own category and kept out of the device peak.
 OFFLOADED = "offloaded"
@@ -39,6 +39,9 @@ ACTIVATION_PHASES = frozenset({"forward", RECOMPUTE})
 
 _host_depth = 0
 _recompute_depth = 0
+# Inside the loss (`computing_loss`, and its backward between the two `LossBoundary` marks):
+# the vocabulary-sized logits' upcast, log-softmax and gradients, the "loss" category.
+_loss_depth = 0
 
 
 @contextmanager
@@ -68,6 +71,42 @@ def recomputing():
         _recompute_depth -= 1
 
 
+@contextmanager
+def computing_loss():
+    """Declare that tensors allocated inside are the loss's (category "loss"), not activations
+    or temporaries: what a chunked loss saves (loss=chunked_ce) shows there."""
+    global _loss_depth
+    _loss_depth += 1
+    try:
+        yield
+    finally:
+        _loss_depth -= 1
+
+
+class LossBoundary(torch.autograd.Function):
+    """The identity, whose backward enters the loss (`entering`: on the loss) or leaves it (on
+    its input, the logits): the gradients backward computes in between are the loss's too."""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, entering: bool) -> torch.Tensor:
+        ctx.entering = entering
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        global _loss_depth
+        # Never below 0: a loss whose input needs no gradient is never left (the next
+        # computing_loss starts from 0 again).
+        _loss_depth = _loss_depth + 1 if ctx.entering else max(_loss_depth - 1, 0)
+        return grad, None
+
+
+def leave_loss() -> None:
+    """Out of the loss, whatever its backward did (a phase begins)."""
+    global _loss_depth
+    _loss_depth = 0
+
+
 # Which role wins when a storage is named twice (a master copy is an optimizer tensor, but its
 # gradient is a gradient): the order in which MemoryMeter's roles are assigned.
 ROLE_RANK = {"params": 0, "grads": 1, "optimizer": 2}
@@ -94,6 +133,8 @@ class _Storage:
     born: int = 0
     # params, grads or optimizer: looked up when roles may have changed, and kept here
     role: str | None = None
+    # allocated inside the loss (computing_loss): its category, unless it has a role
+    loss: bool = False
 
 
 @dataclass
@@ -267,7 +308,8 @@ class LiveStorageTracker(TorchDispatchMode):
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
         self._clock += 1
         # positional: a third faster than keywords, on a path every allocation takes
-        record = _Storage(None, nbytes, phase, _host_depth > 0, False, nbytes, self._clock)
+        record = _Storage(None, nbytes, phase, _host_depth > 0, False, nbytes, self._clock, None,
+                          _loss_depth > 0)
         if self.allocator is not None and not record.host:
             nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
         if not record.host and self.budget is not None and self.current + nbytes > self.budget:
@@ -354,6 +396,7 @@ class LiveStorageTracker(TorchDispatchMode):
         """Start attributing allocations to `phase`; what is live on entry counts for it too
         (an SGD step allocates nothing, yet the optimizer phase holds params and grads)."""
         self._settle()
+        leave_loss()
         if self.phase == "forward":
             self.saved_activations = max(self.saved_activations, self.activations_current)
         self.phase = phase
@@ -402,6 +445,8 @@ class LiveStorageTracker(TorchDispatchMode):
                 role = record.role
             if record.host:
                 role = OFFLOADED
+            elif role is None and record.loss:
+                role = "loss"
             elif role is None:
                 role = "activations" if record.phase in ACTIVATION_PHASES else "other"
             totals[role] += nbytes
