@@ -55,6 +55,12 @@ CASES = {
     # Hugging Face models, with their own loss and mapping batches
     "hf gpt2 full bf16": (*HF_GPT2, "checkpointing=full", "precision=bf16"),
     "hf bert adamw": HF_BERT,
+    # the output head applied by the loss, a chunk of tokens at a time (GPT-2's tied to its
+    # embedding): on the three language models
+    "hf gpt2 chunked_ce": (*HF_GPT2, "loss=chunked_ce", "loss.chunk_tokens=16"),
+    "llama chunked_ce bf16": (*LLAMA, "loss=chunked_ce", "loss.chunk_tokens=64",
+                              "precision=bf16"),
+    "gpt chunked_ce": (*SMALL_GPT, "loss=chunked_ce"),
 }
 
 
