@@ -11,9 +11,10 @@ from test_estimate import LLAMA
 
 from memexp.data.tensors import IGNORE
 from memexp.linear_cross_entropy import linear_cross_entropy
+from memexp.plan import loss_options
 from memexp.trainer import Trainer
 
-from conftest import HF_BERT, HF_GPT2, compose_train, relative_error, step_memory
+from conftest import CPU_SMALL, HF_BERT, HF_GPT2, compose_train, relative_error, step_memory
 
 TRANSFORMER = ("model=transformer", "model.n_layers=2", "model.d_model=32", "data.vocab_size=64",
                "data.seq_len=16", "data.batch_size=4")
@@ -115,3 +116,12 @@ def test_liger_on_a_cpu_says_why_and_runs_the_torch_kernel(caplog):
     assert "using loss.impl=torch" in caplog.text
     assert trainer.loss.kernel.value == "torch"
     assert "loss=chunked_ce: output head head (Linear 32 -> 64, bias False)" in caplog.text
+
+
+@pytest.mark.parametrize("model, loss, tried", [
+    (GPT2, "model", ["model", "chunked_ce"]), (TRANSFORMER, "cross_entropy",
+                                               ["cross_entropy", "chunked_ce"]),
+    (("model=mlp",), "cross_entropy", ["cross_entropy"]), (HF_BERT, "model", ["model"]),
+    (TRANSFORMER, "mse", ["mse"])], ids=["gpt2", "transformer", "mlp", "bert", "mse"])
+def test_plan_tries_chunked_ce_where_it_computes_the_same_loss(model, loss, tried):
+    assert loss_options([*CPU_SMALL, *model, f"loss={loss}"], loss) == tried

@@ -1,6 +1,8 @@
 """loss: what a step minimizes, from the model's outputs and the batch; and accuracy, where there
 is one.
 
+Its options are `Technique`s (memexp.techniques): `planned` says which `memexp plan` tries.
+
 The output contract: a model's forward may return a tensor of logits, a tuple (its first element
 is the logits), or a mapping such as Hugging Face's `ModelOutput`, from which memexp takes
 `logits`, and `loss` when the model computed one. Nothing else is asked of a model.
@@ -32,6 +34,7 @@ from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
 from memexp.linear_cross_entropy import chunked_argmax, linear_cross_entropy
 from memexp.models.head import Head, defer_head
 from memexp.reduction import REDUCTIONS, Reduction
+from memexp.techniques import Technique
 
 log = logging.getLogger("memexp")
 
@@ -197,7 +200,7 @@ def check_class_logits(logits: Tensor, targets: Tensor, key: str) -> None:
 
 
 @dataclass
-class CrossEntropy:
+class CrossEntropy(Technique):
     """Cross-entropy of the logits against integer targets (today's default); targets equal to
     -100 count for nothing. `shift=true` compares position t with target t + 1, for causal
     language models given their inputs as labels (the Hugging Face convention)."""
@@ -223,6 +226,47 @@ class CrossEntropy:
                                   targets_for(batch, "cross_entropy"), self.shift)
         check_class_logits(logits, targets, self.key)
         check_classes(logits, targets, self.key)
+
+
+@dataclass
+class ModelLoss(Technique):
+    """The loss the model computed itself: Hugging Face models do when given `labels`, which a
+    mapping batch then passes in. Accuracy from its logits, where it has class logits;
+    `shift=true` aligns them for causal language models, as cross_entropy's `shift`.
+    `reduction` is the model's, not an option: `as_loss` reads it from the built model."""
+
+    shift: bool = False
+    passes_labels = True
+    key = "loss=model"
+    reduction = Reduction.LABELS
+
+    @property
+    def sums(self) -> bool:
+        return self.reduction is Reduction.SUM
+
+    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
+        if outputs.loss is None:
+            raise ValueError(
+                f"loss=model: the model returned no loss ({type(outputs.raw).__name__}). Hugging "
+                "Face models compute one when the batch has `labels` (a mapping batch, such as "
+                "data=hf_tokens); otherwise choose loss=cross_entropy or mse")
+        return outputs.loss
+
+    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
+        return class_hits(outputs.logits, targets_of(batch), self.shift)
+
+    def items(self, batch: Batch) -> int | None:
+        """The labels that are not -100 (shifted for causal language models), or the samples
+        where the model's loss is a mean over them (CTC's)."""
+        targets = targets_of(batch)
+        if self.reduction is Reduction.SAMPLES and targets is not None:
+            return len(targets)
+        return counted(targets, self.shift)
+
+    def check(self, outputs: Outputs, batch: Batch) -> None:
+        targets = targets_of(batch)
+        if outputs.logits is not None and targets is not None and not targets.is_floating_point():
+            check_classes(*aligned(outputs.logits, targets, self.shift), self.key)
 
 
 class Kernel(str, enum.Enum):
@@ -251,7 +295,7 @@ def kernel_on(wanted: Kernel, device: torch.device) -> tuple[Kernel, str | None]
 
 
 @dataclass
-class ChunkedCrossEntropy:
+class ChunkedCrossEntropy(Technique):
     """Cross-entropy of a language model's output head, `chunk_tokens` tokens at a time, which
     never holds the whole (tokens x vocabulary) logits, their fp32 upcast or their gradient
     (memexp.linear_cross_entropy): the same loss and gradients as cross_entropy. The model's
@@ -266,8 +310,11 @@ class ChunkedCrossEntropy:
     passes_labels = False
     key = "loss=chunked_ce"
     sums = False
-    # `memexp plan` tries it where the model has an output head (memexp.plan)
+    # `memexp plan` tries it in place of a cross-entropy, where the model has an output head
+    # (memexp.plan.loss_options)
     planned: ClassVar[tuple[Mapping[str, object], ...]] = ({},)
+    # the losses it computes the same as (a model's own: where its head is found)
+    replaces: ClassVar[tuple[type, ...]] = (CrossEntropy, ModelLoss)
     # what the run uses: impl, once the first forward pass says on which device (check)
     kernel: Kernel = field(default=Kernel.torch, init=False)
     head: Head | None = field(default=None, init=False)
@@ -329,48 +376,7 @@ class ChunkedCrossEntropy:
 
 
 @dataclass
-class ModelLoss:
-    """The loss the model computed itself: Hugging Face models do when given `labels`, which a
-    mapping batch then passes in. Accuracy from its logits, where it has class logits;
-    `shift=true` aligns them for causal language models, as cross_entropy's `shift`.
-    `reduction` is the model's, not an option: `as_loss` reads it from the built model."""
-
-    shift: bool = False
-    passes_labels = True
-    key = "loss=model"
-    reduction = Reduction.LABELS
-
-    @property
-    def sums(self) -> bool:
-        return self.reduction is Reduction.SUM
-
-    def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
-        if outputs.loss is None:
-            raise ValueError(
-                f"loss=model: the model returned no loss ({type(outputs.raw).__name__}). Hugging "
-                "Face models compute one when the batch has `labels` (a mapping batch, such as "
-                "data=hf_tokens); otherwise choose loss=cross_entropy or mse")
-        return outputs.loss
-
-    def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
-        return class_hits(outputs.logits, targets_of(batch), self.shift)
-
-    def items(self, batch: Batch) -> int | None:
-        """The labels that are not -100 (shifted for causal language models), or the samples
-        where the model's loss is a mean over them (CTC's)."""
-        targets = targets_of(batch)
-        if self.reduction is Reduction.SAMPLES and targets is not None:
-            return len(targets)
-        return counted(targets, self.shift)
-
-    def check(self, outputs: Outputs, batch: Batch) -> None:
-        targets = targets_of(batch)
-        if outputs.logits is not None and targets is not None and not targets.is_floating_point():
-            check_classes(*aligned(outputs.logits, targets, self.shift), self.key)
-
-
-@dataclass
-class MSE:
+class MSE(Technique):
     """Mean squared error of the logits against float targets of the same shape (regression);
     no accuracy."""
 

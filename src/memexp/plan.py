@@ -1,7 +1,8 @@
 """`memexp plan budget=24GiB <overrides>`: which technique combinations fit, and what each costs.
 
-The search space is precision x optim x bn_mode ("what is computed") times checkpointing x
-accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
+The search space is precision x optim x bn_mode x loss ("what is computed") times checkpointing x
+accumulation ("how much is kept"). The loss is the user's, and the planned losses that compute
+the same on the model (loss=chunked_ce in place of a cross-entropy, where it finds the head). Each group's candidates come from the command line (sweep
 syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
 optim, the configured optimizer and the `lighter` classes its class names). For every "what is
 computed" choice the planner walks the "how much is kept" choices from the cheapest (no
@@ -49,6 +50,7 @@ from memexp.app import Job, run_job
 from memexp.build import build, build_model
 from memexp.config import config_dir
 from memexp.estimate import Estimate, compose_config, estimate
+from memexp.loss import as_loss
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
@@ -57,6 +59,8 @@ from memexp.techniques.parallel import NoParallel
 # The searched groups: what is computed, then how much is kept.
 COMPUTED = ("precision", "optim", "bn_mode")
 KEPT = ("checkpointing", "parallel", "optim.accumulate")
+# The loss, where another computes the same with less memory (chunked_ce for a cross-entropy).
+LOSS = "loss"
 ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
 
@@ -88,7 +92,7 @@ def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str
     fixed, searched = [], {}
     for argument in arguments:
         key, _, value = argument.partition("=")
-        if key in (*COMPUTED, *KEPT):
+        if key in (*COMPUTED, *KEPT, LOSS):
             searched[key] = value.split(",")
         else:
             fixed.append(argument)
@@ -113,6 +117,29 @@ def search_space(cfg: DictConfig, optim: str, searched: dict[str, list[str]],
         else:
             space[group] = registry.planned(group)
     return space
+
+
+def loss_options(fixed: list[str], loss: str) -> list[str]:
+    """The user's loss, and the planned losses (memexp.registry) that compute the same on this
+    model: chunked_ce in place of a cross-entropy, where the model has an output head for it
+    (looked for on the meta device: structure only)."""
+    options = [loss]
+    configured = compose_config(fixed).loss
+    if OmegaConf.is_missing(configured, "_target_"):  # loss=custom without its target
+        return options
+    for option in registry.planned(LOSS):
+        cfg = compose_config([*fixed, f"{LOSS}={option}"])
+        if option == loss or configured._target_ not in map(registry.target_path,
+                                              get_class(cfg.loss._target_).replaces):
+            continue
+        with torch.device("meta"):
+            model = build_model(cfg.model)
+        try:
+            as_loss(build(cfg.loss), model)
+        except ValueError:  # no head it can take
+            continue
+        options.append(option)
+    return options
 
 
 def group_choice(overrides: list[str], group: str) -> str:
@@ -183,8 +210,10 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     base = compose_config(fixed)
     batch = base.data.batch_size
     space = search_space(base, group_choice(fixed, "optim"), searched, world_size)
+    configured_loss = group_choice(fixed, LOSS)
+    losses = searched.get(LOSS) or loss_options(fixed, configured_loss)
     computed_options = list(itertools.product(space["precision"], space["optim"],
-                                              space["bn_mode"]))
+                                              space["bn_mode"], losses))
     chosen = built_options(fixed, space)
     batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say);
@@ -197,11 +226,13 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
                             chosen["parallel"][option[1]].cost_rank))
     ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
-         f"candidates{ranks} against {budget} per rank, each until one fits:")
+         f"candidates{ranks} against {budget} per rank, each until one fits (loss: "
+         f"{', '.join(losses)}):")
     baseline_flops: dict[tuple, int] = {}
     plans = []
-    for precision, optim, bn_mode in computed_options:
-        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
+    for precision, optim, bn_mode, loss in computed_options:
+        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}",
+                    *([f"{LOSS}={loss}"] if loss != configured_loss else [])]
         changes = {option: math_changes(chosen, {"precision": precision, "optim": optim,
                                                  "bn_mode": bn_mode, "checkpointing": option[0]},
                                         option[2], batch_norm)
@@ -217,7 +248,7 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
                 overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
             result = estimate(cfg, target, gpu)
-            key = (precision, optim, bn_mode, accumulate)
+            key = (precision, optim, bn_mode, loss, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
                 baseline_flops[key] = train_flops

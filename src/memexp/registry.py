@@ -94,7 +94,7 @@ def baseline_option(group: str) -> str | None:
 def planned(group: str) -> list[str]:
     """The options of a technique group that `memexp plan` tries: those whose YAML has the
     arguments of one of their class's `planned`; the group's baseline option first."""
-    chosen = [name for name, option in options(group).items()
-              if any(wanted.items() <= option.items()
+    chosen = [name for name, option in options(group).items() if option["_target_"] != UNSET
+              and any(wanted.items() <= option.items()
                      for wanted in get_object(option["_target_"]).planned)]
     return sorted(chosen, key=lambda name: name != baseline_option(group))

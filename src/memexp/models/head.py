@@ -46,6 +46,10 @@ def find_head(model: nn.Module, key: str) -> nn.Module | None:
     # A Hugging Face model exists only once transformers is imported (memexp.models.hf).
     transformers = sys.modules.get("transformers")
     if transformers is not None and isinstance(model, transformers.PreTrainedModel):
+        if model.config.is_encoder_decoder:
+            raise ValueError(
+                f"{key}: {type(model).__name__}'s decoder takes its inputs from the labels, "
+                "which only its own loss passes in: use loss=model")
         return model.get_output_embeddings()
     raise ValueError(
         f"{key} applies the model's output head itself, and {type(model).__name__} is neither a "
