@@ -4,8 +4,8 @@ The search space is precision x optim x bn_mode x loss ("what is computed") time
 accumulation ("how much is kept"). The loss is the user's, and the planned losses that compute
 the same on the model (loss=chunked_ce in place of a cross-entropy, where it finds the head).
 Each group's candidates come from the command line (sweep syntax: `precision=fp32,bf16`) or else
-from the classes (their `planned`, memexp.registry; for optim, the configured optimizer and the `lighter` classes its class names). For every "what is
-computed" choice the planner walks the "how much is kept" choices from the cheapest (no
+from the classes (their `planned`, memexp.registry; for optim, the configured optimizer and the
+`lighter` classes its class names). For every "what is computed" choice the planner walks the "how much is kept" choices from the cheapest (no
 recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
 for the same result.
 
