@@ -1,13 +1,13 @@
 """`memexp plan budget=24GiB <overrides>`: which technique combinations fit, and what each costs.
 
 The search space is precision x optim x bn_mode x loss ("what is computed") times checkpointing x
-accumulation ("how much is kept"). The loss is the user's, and the planned losses that compute
-the same on the model (loss=chunked_ce in place of a cross-entropy, where it finds the head).
-Each group's candidates come from the command line (sweep syntax: `precision=fp32,bf16`) or else
-from the classes (their `planned`, memexp.registry; for optim, the configured optimizer and the
-`lighter` classes its class names). For every "what is computed" choice the planner walks the "how much is kept" choices from the cheapest (no
-recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
-for the same result.
+accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
+syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
+optim, the configured optimizer and the `lighter` classes its class names; for the loss, the
+user's and the planned ones that compute the same on the model: loss=chunked_ce in place of a
+cross-entropy, where it finds the head). For every "what is computed" choice the planner walks
+the "how much is kept" choices from the cheapest (no recomputation, one micro-batch) up and
+keeps the first that fits: anything after it costs more for the same result.
 
 With a world size above 1 (`--world-size N`), parallel=ddp, zero1 and fsdp are searched too, each
 estimated for its rank with the largest peak (memexp.estimate_parallel), and run with
