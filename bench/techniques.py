@@ -14,15 +14,16 @@ For each row:
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
 The HF and timm models get the rows that concern them (checkpointing none/full/selective/offload,
-beside the library's own for HF, bf16, accumulation). Their tables show the saved activations,
-what the peak holds beyond parameters and gradients, and the first 3 per-step losses against the
+beside the library's own for HF, bf16, accumulation; loss=chunked_ce for causal LMs). Their
+tables show the saved activations, what the peak holds beyond parameters and gradients (by
+category: activations, the loss's own, other), and the first 3 per-step losses against the
 reference row's, in place of the gradient-peak and optimizer columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker).
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
-                               [--rounds 5] [--estimate]
+                               [--rounds 5] [--estimate] [--rows NAME ...]
 """
 
 from __future__ import annotations
@@ -167,6 +168,8 @@ def hf_rows(model: str) -> list[Row]:
         rows.insert(4, Row("the library's own gradient checkpointing",
                            ("model.gradient_checkpointing=true",)))
     if "model.task=causal_lm" in MODELS[model]:
+        # the model's own loss against its head applied a chunk of 256 tokens at a time
+        rows.append(Row("loss=chunked_ce", ("loss=chunked_ce",)))
         unpadded = Row("baseline, data.padding=0", ("data.padding=0",), ref=None)
         accumulated = accumulation_row(model)
         rows += [unpadded, Row(f"{accumulated.name}, data.padding=0",
@@ -298,10 +301,20 @@ def table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def hf_table(model: str, rounds: int) -> str:
+def chosen_rows(rows: list[Row], only: list[str] | None) -> list[Row]:
+    """The rows whose names hold one of `only` (all without it), with the rows they are
+    compared with."""
+    if not only:
+        return rows
+    chosen = {row.name for row in rows if any(part in row.name for part in only)}
+    chosen |= {row.ref for row in rows if row.name in chosen and row.ref is not None}
+    return [row for row in rows if row.name in chosen or row.name == BASELINE]
+
+
+def hf_table(model: str, rounds: int, only: list[str] | None = None) -> str:
     """The HF model's rows: memory with dropout on, as it trains; per-step losses and the first
     step's gradients with dropout off, against the row they should equal."""
-    rows = hf_rows(model)
+    rows = chosen_rows(hf_rows(model), only)
     memory = {row.name: memory_of(model, row) for row in rows}
     correct = {row.name: correctness_run(model, row, *NO_DROPOUT[model], steps=LOSS_STEPS)
                for row in rows}
@@ -309,7 +322,7 @@ def hf_table(model: str, rounds: int) -> str:
     base = memory[BASELINE]
     lines = [
         f"| {model}: technique | peak MiB | x base | activations MiB | x base | saved MiB"
-        " | x base | at the peak: activations + other MiB | step time x base"
+        " | x base | at the peak: activations + loss + other MiB | step time x base"
         f" | loss vs ref, {LOSS_STEPS} steps | gradient error vs ref |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
@@ -319,7 +332,8 @@ def hf_table(model: str, rounds: int) -> str:
                              ("peak_bytes", "activations_peak_bytes", "saved_activations_bytes"))
         at_peak = m["phases"][m["peak_phase"]]["breakdown"]
         lines.append(f"| {row.name} | {figures}"
-                     f" | {at_peak['activations'] / MIB:.1f} + {at_peak['other'] / MIB:.1f}"
+                     f" | {at_peak['activations'] / MIB:.1f} + {at_peak['loss'] / MIB:.1f}"
+                     f" + {at_peak['other'] / MIB:.1f}"
                      f" | {times[row.name] / times[BASELINE]:.2f} | {errors(row, correct)} |")
     losses = correct[BASELINE][1]
     lines.append(f"\nbaseline step time {times[BASELINE] * 1e3:.0f} ms (median of {rounds}); "
@@ -328,12 +342,12 @@ def hf_table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def estimate_table(model: str) -> str:
+def estimate_table(model: str, only: list[str] | None = None) -> str:
     """Each HF row's estimate against a real run of what it traces: the first two steps and
     an evaluation (of 16 samples)."""
     lines = [f"| {model}: technique | estimate MiB | measured MiB | estimate / measured |",
              "|---|---:|---:|---:|"]
-    for row in hf_rows(model):
+    for row in chosen_rows(hf_rows(model), only):
         cfg = first_steps(compose_row(model, row, "data.num_eval=16",
                                       *ESTIMATE_EXTRA.get(model, ())))
         predicted = estimate(cfg).memory["peak_bytes"]
@@ -381,16 +395,20 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--estimate", action="store_true",
                         help="the HF rows' estimates against real runs")
+    parser.add_argument("--rows", nargs="+", metavar="NAME",
+                        help="only the HF rows whose names hold one of these (and the rows "
+                             "they are compared with), e.g. --rows loss=chunked_ce")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
         # The HF and timm models (those in NO_DROPOUT) have tables of their own.
-        print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
+        print(hf_table(model, args.rounds, args.rows) if model in NO_DROPOUT
+              else table(model, args.rounds))
         if args.estimate and model in NO_DROPOUT:
             print()
-            print(estimate_table(model))
+            print(estimate_table(model, args.rows))
     if args.model in ("resnet", "all"):
         print()
         print(fold_table())
