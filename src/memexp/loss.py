@@ -82,6 +82,9 @@ class Hits(NamedTuple):
 
 class Loss(Protocol):
     passes_labels: bool
+    # computes its loss from `outputs.logits` in its call (not the model, not from `raw`): the
+    # meter counts what it allocates, and its backward down to the logits, as the loss's own
+    reads_logits: bool
     key: str  # the option, as its errors name it
     # a sum over the batch's items, not a mean: the step's loss is its micro-batches' sum
     sums: bool
@@ -207,6 +210,7 @@ class CrossEntropy(Technique):
 
     shift: bool = False
     passes_labels = False
+    reads_logits = True
     key = "loss=cross_entropy"
     sums = False
 
@@ -237,6 +241,7 @@ class ModelLoss(Technique):
 
     shift: bool = False
     passes_labels = True
+    reads_logits = False
     key = "loss=model"
     reduction = Reduction.LABELS
 
@@ -308,6 +313,7 @@ class ChunkedCrossEntropy(Technique):
     chunk_tokens: int = 256
     impl: Kernel = Kernel.torch
     passes_labels = False
+    reads_logits = True
     key = "loss=chunked_ce"
     sums = False
     # `memexp plan` tries it in place of a cross-entropy, where the model has an output head
@@ -381,6 +387,7 @@ class MSE(Technique):
     no accuracy."""
 
     passes_labels = False
+    reads_logits = True
     key = "loss=mse"
     sums = False
 
@@ -408,6 +415,7 @@ class UserLoss:
 
     function: Callable[[Outputs, Batch], Tensor]
     passes_labels = False
+    reads_logits = False
     sums = False  # unknown: taken for a mean, whose items are unknown too (equal weights)
 
     @property

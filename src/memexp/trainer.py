@@ -236,14 +236,14 @@ class Trainer:
 
     def compute_loss(self, outputs: Outputs, batch: Batch) -> Tensor:
         """The loss, whose memory (forward and backward, down to the logits) the meter counts
-        as the loss's own category."""
+        as the loss's own category, where the loss computes it from the logits itself."""
+        if not self.loss.reads_logits:  # the model's own loss, or one of the user's
+            return self.loss(outputs, batch)
         with computing_loss():
             if outputs.logits is not None and outputs.logits.requires_grad:
                 outputs.logits = LossBoundary.apply(outputs.logits, False)
             loss = self.loss(outputs, batch)
-            # (check_loss refuses a loss that is not a tensor, after this)
-            marked = isinstance(loss, Tensor) and loss.requires_grad
-            return LossBoundary.apply(loss, True) if marked else loss
+            return LossBoundary.apply(loss, True) if loss.requires_grad else loss
 
     def train_step(self, batches: Iterator[Batch]) -> float:
         """One optimizer step over `optim.accumulate` micro-batches; returns the mean loss."""
