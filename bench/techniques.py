@@ -13,10 +13,11 @@ For each row:
   against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
-The HF and timm models get the rows that concern them (checkpointing none/full/selective/selective_ops/offload,
-beside the library's own for HF, bf16, accumulation). Their tables show the saved activations,
-what the peak holds beyond parameters and gradients, and the first 3 per-step losses against the
-reference row's, in place of the gradient-peak and optimizer columns.
+The HF and timm models get the rows that concern them (checkpointing none/full/selective/
+selective_ops/offload, beside the library's own for HF, bf16, accumulation). Their tables show
+the saved activations, what the peak holds beyond parameters and gradients, and the first 3
+per-step losses against the reference row's, in place of the gradient-peak and optimizer
+columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker).

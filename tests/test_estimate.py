@@ -15,7 +15,7 @@ from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
-from memexp.plan import describe, plan, search_space
+from memexp.plan import covered, describe, group_choices, plan, search_space
 from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
 from memexp.trainer import Trainer
 
@@ -216,8 +216,10 @@ def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated(model, cudnn)
                                           ("adamw_8bit", ["adamw_8bit"]), ("sgd", ["sgd"])])
 def test_plan_also_tries_the_lighter_optimizers_the_configured_ones_class_names(optim, tried):
     cfg = compose_config([f"optim={optim}"])
-    assert search_space(cfg, optim, {})["optim"] == tried
-    assert search_space(cfg, optim, {"optim": ["sgd"]})["optim"] == ["sgd"]  # the user's choice
+    choices = group_choices([f"optim={optim}"])
+    assert search_space(cfg, choices, {}).space["optim"] == tried
+    # the user's choice
+    assert search_space(cfg, choices, {"optim": ["sgd"]}).space["optim"] == ["sgd"]
 
 
 def test_each_option_says_whether_it_changes_what_is_learned():
