@@ -7,13 +7,14 @@ import itertools
 import pytest
 import torch
 
-from memexp import cli
+from memexp import cli, registry
 from memexp import estimate as estimate_module
 from memexp.build import build
 from memexp.config import config_dir
 from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
+from memexp.loss import MSE
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.plan import covered, describe, group_choices, plan, search_space
 from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
@@ -55,6 +56,10 @@ CASES = {
     # Hugging Face models, with their own loss and mapping batches
     "hf gpt2 full bf16": (*HF_GPT2, "checkpointing=full", "precision=bf16"),
     "hf bert adamw": HF_BERT,
+    # per-op selective checkpointing's policy runs under FakeTensorMode too: GPT-2's addmm and
+    # bmm, Llama's mm and CPU attention kernel
+    "hf gpt2 selective_ops": (*HF_GPT2, "checkpointing=selective_ops"),
+    "llama selective_ops": (*LLAMA, "checkpointing=selective_ops"),
 }
 
 
@@ -220,6 +225,46 @@ def test_plan_also_tries_the_lighter_optimizers_the_configured_ones_class_names(
     assert search_space(cfg, choices, {}).space["optim"] == tried
     # the user's choice
     assert search_space(cfg, choices, {"optim": ["sgd"]}).space["optim"] == ["sgd"]
+
+
+def test_plan_says_which_options_of_every_group_it_tried_and_why_it_left_out_the_others():
+    """Every group is searched or held at the run's own option; every option of a searched
+    group is tried or left out with its reason, read from its class (a new option's class
+    sets `planned`, and the plan tries it)."""
+    cfg, choices = compose_config(["model=mlp"]), group_choices(["model=mlp"])
+    search = search_space(cfg, choices, {"precision": ["fp32", "bf16"]})
+    assert set(search.space) | set(search.fixed) == {*registry.groups(), "optim.accumulate"}
+    for group, tried in search.space.items():
+        if group != "optim.accumulate":
+            assert set(tried) | set(search.left_out[group]) == set(registry.options(group))
+    assert search.fixed == {"data": "images", "loss": "cross_entropy", "model": "mlp",
+                            "logger": "csv"}
+    assert search.space["checkpointing"] == ["none", "full", "offload", "selective_ops"]
+    assert search.left_out["checkpointing"] == {
+        "modules": "CheckpointModules plans none",
+        "selective": "CheckpointBlocks plans only every=1",
+        "sequential": "CheckpointSequential plans none"}
+    lines = covered(search).splitlines()
+    assert lines[0] == "search space covered:"
+    assert lines[1] == ("  precision: tried fp32, bf16; left out amp, bf16_pure, fp16_pure, tf32 "
+                        "(not in the command line's list)")
+    assert lines[3] == ("  bn_mode: tried train; left out efficient_eval, eval, group_norm, sync "
+                        "(the model has no BatchNorm)")
+    assert lines[5] == ("  parallel: tried none; left out ddp, fsdp, zero1 (one process: "
+                        "--world-size N searches them)")
+    assert lines[-1] == ("  not searched, the run's own (their classes plan no other): "
+                         "data=images, loss=cross_entropy, model=mlp, logger=csv")
+
+
+def test_a_group_whose_classes_plan_options_is_searched_from_the_run_s_own(monkeypatch):
+    """A group beyond precision ... parallel joins the search once a class of it plans: the
+    run's own option first, then the planned ones."""
+    monkeypatch.setattr(MSE, "planned", ({},), raising=False)
+    search = search_space(compose_config(["model=mlp"]), group_choices(["model=mlp"]), {})
+    assert search.space["loss"] == ["cross_entropy", "mse"]
+    assert search.left_out["loss"] == {"custom": "the user names its loss._target_",
+                                       "model": "ModelLoss plans none"}
+    assert "loss" not in search.fixed
 
 
 def test_each_option_says_whether_it_changes_what_is_learned():

@@ -162,7 +162,10 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
 
 def not_planned(group: str, option: str) -> str:
     """Why `memexp plan` does not try an option of a group it searches: its class says."""
-    target = get_class(registry.options(group)[option]["_target_"])
+    path = registry.options(group)[option]["_target_"]
+    if path == registry.UNSET:
+        return f"the user names its {group}._target_"
+    target = get_class(path)
     wanted = registry.stated(target, "planned", ())
     if not wanted:
         return f"{target.__name__} plans none"
