@@ -13,11 +13,11 @@ For each row:
   against the row they should equal (`ref`), as |g - g_ref| / |g_ref| over all gradients
   together. Optimizers and BatchNorm variants differ by design; they show "-".
 
-The HF and timm models get the rows that concern them (checkpointing none/full/selective/offload,
-beside the library's own for HF, bf16, accumulation; loss=chunked_ce for causal LMs). Their
-tables show the saved activations, what the peak holds beyond parameters and gradients (by
-category: activations, the loss's own, other), and the first 3 per-step losses against the
-reference row's, in place of the gradient-peak and optimizer columns.
+The HF and timm models get the rows that concern them (checkpointing none/full/selective/
+selective_ops/offload, beside the library's own for HF, bf16, accumulation; loss=chunked_ce for
+causal LMs). Their tables show the saved activations, what the peak holds beyond parameters and
+gradients (by category: activations, the loss's own, other), and the first 3 per-step losses
+against the reference row's, in place of the gradient-peak and optimizer columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker).
@@ -160,12 +160,13 @@ def hf_rows(model: str) -> list[Row]:
         Row(BASELINE, ()),
         Row("checkpointing=full", ("checkpointing=full",)),
         Row("checkpointing=selective every=2", ("checkpointing=selective",)),
+        Row("checkpointing=selective_ops", ("checkpointing=selective_ops",)),
         Row("checkpointing=offload", ("checkpointing=offload",)),
         Row("precision=bf16", ("precision=bf16",)),
         accumulation_row(model),
     ]
     if "model=hf" in MODELS[model]:
-        rows.insert(4, Row("the library's own gradient checkpointing",
+        rows.insert(5, Row("the library's own gradient checkpointing",
                            ("model.gradient_checkpointing=true",)))
     if "model.task=causal_lm" in MODELS[model]:
         # the model's own loss against its head applied a chunk of 256 tokens at a time
@@ -187,6 +188,7 @@ def rows_for(model: str) -> list[Row]:
                                                    "precision.master_weights=true")),
         Row("checkpointing=full", ("checkpointing=full",)),
         Row("checkpointing=selective every=2", ("checkpointing=selective",)),
+        Row("checkpointing=selective_ops", ("checkpointing=selective_ops",)),
         Row("checkpointing=offload", ("checkpointing=offload",)),
         Row("optim=sgd_momentum", ("optim=sgd_momentum",), ref=None),
         Row("optim=adamw", ("optim=adamw",), ref=None),
@@ -196,7 +198,7 @@ def rows_for(model: str) -> list[Row]:
             ref="optim=adamw"),
     ]
     rows.append(accumulation_row(model))
-    rows.insert(7, Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)))
+    rows.insert(8, Row("checkpointing=sequential segments=2", ("checkpointing=sequential",)))
     if model == "resnet":
         rows += [
             Row("bn_mode=eval", ("bn_mode=eval",), ref=None),

@@ -50,7 +50,7 @@ def baseline_losses(model: str) -> tuple[float, ...]:
 
 @pytest.mark.parametrize("model", MODELS)
 @pytest.mark.parametrize("variant", ["checkpointing=full", "checkpointing=selective",
-                                     "checkpointing=offload"])
+                                     "checkpointing=offload", "checkpointing=selective_ops"])
 def test_checkpointing_gives_the_losses_of_none_with_no_adapter(model, variant):
     losses = train(*MODELS[model], variant, steps=STEPS)[1].losses
     assert losses == pytest.approx(baseline_losses(model), rel=1e-6)

@@ -7,7 +7,7 @@ import itertools
 import pytest
 import torch
 
-from memexp import cli
+from memexp import cli, registry
 from memexp import estimate as estimate_module
 from memexp.build import build
 from memexp.config import config_dir
@@ -15,7 +15,7 @@ from memexp.estimate import compose_config, estimate
 from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
-from memexp.plan import describe, plan, search_space
+from memexp.plan import covered, describe, group_choices, plan, search_space
 from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
 from memexp.trainer import Trainer
 
@@ -61,6 +61,10 @@ CASES = {
     "llama chunked_ce bf16": (*LLAMA, "loss=chunked_ce", "loss.chunk_tokens=64",
                               "precision=bf16"),
     "gpt chunked_ce": (*SMALL_GPT, "loss=chunked_ce"),
+    # per-op selective checkpointing's policy runs under FakeTensorMode too: GPT-2's addmm and
+    # bmm, Llama's mm and CPU attention kernel
+    "hf gpt2 selective_ops": (*HF_GPT2, "checkpointing=selective_ops"),
+    "llama selective_ops": (*LLAMA, "checkpointing=selective_ops"),
 }
 
 
@@ -222,8 +226,55 @@ def test_cuda_estimate_is_within_5_percent_of_max_memory_allocated(model, cudnn)
                                           ("adamw_8bit", ["adamw_8bit"]), ("sgd", ["sgd"])])
 def test_plan_also_tries_the_lighter_optimizers_the_configured_ones_class_names(optim, tried):
     cfg = compose_config([f"optim={optim}"])
-    assert search_space(cfg, optim, {})["optim"] == tried
-    assert search_space(cfg, optim, {"optim": ["sgd"]})["optim"] == ["sgd"]  # the user's choice
+    choices = group_choices([f"optim={optim}"])
+    assert search_space(cfg, choices, {}).space["optim"] == tried
+    # the user's choice
+    assert search_space(cfg, choices, {"optim": ["sgd"]}).space["optim"] == ["sgd"]
+
+
+def test_plan_says_which_options_of_every_group_it_tried_and_why_it_left_out_the_others():
+    """Every group is searched or held at the run's own option; every option of a searched
+    group is tried or left out with its reason, read from its class (a new option's class
+    sets `planned`, and the plan tries it)."""
+    cfg, choices = compose_config(["model=mlp"]), group_choices(["model=mlp"])
+    search = search_space(cfg, choices, {"precision": ["fp32", "bf16"]})
+    assert set(search.space) | set(search.fixed) == {*registry.groups(), "optim.accumulate"}
+    for group, tried in search.space.items():
+        if group != "optim.accumulate":
+            assert set(tried) | set(search.left_out[group]) == set(registry.options(group))
+    assert search.fixed == {"data": "images", "model": "mlp", "logger": "csv"}
+    assert search.space["checkpointing"] == ["none", "full", "offload", "selective_ops"]
+    assert search.left_out["checkpointing"] == {
+        "modules": "CheckpointModules plans none",
+        "selective": "CheckpointBlocks plans only every=1",
+        "sequential": "CheckpointSequential plans none"}
+    # the loss: chunked_ce is planned, but the MLP has no output head for it to take
+    assert search.space["loss"] == ["cross_entropy"]
+    assert search.left_out["loss"] == {
+        "chunked_ce": "does not compute loss=cross_entropy on this model",
+        "custom": "the user names its loss._target_", "model": "ModelLoss plans none",
+        "mse": "MSE plans none"}
+    lines = covered(search).splitlines()
+    assert lines[0] == "search space covered:"
+    line = {line.split(":")[0].strip(): line for line in lines[1:]}
+    assert line["precision"] == ("  precision: tried fp32, bf16; left out amp, bf16_pure, "
+                                 "fp16_pure, tf32 (not in the command line's list)")
+    assert line["bn_mode"] == ("  bn_mode: tried train; left out efficient_eval, eval, "
+                               "group_norm, sync (the model has no BatchNorm)")
+    assert line["parallel"] == ("  parallel: tried none; left out ddp, fsdp, zero1 (one "
+                                "process: --world-size N searches them)")
+    assert lines[-1] == ("  not searched, the run's own (their classes plan no other): "
+                         "data=images, model=mlp, logger=csv")
+
+
+def test_a_group_whose_classes_plan_options_is_searched_from_the_run_s_own(monkeypatch):
+    """A group beyond precision ... parallel joins the search once a class of it plans: the
+    run's own option first, then the planned ones."""
+    monkeypatch.setattr(NoLogger, "planned", ({},), raising=False)
+    search = search_space(compose_config(["model=mlp"]), group_choices(["model=mlp"]), {})
+    assert search.space["logger"] == ["csv", "none"]
+    assert search.left_out["logger"] == {"wandb": "WandbLogger plans none"}
+    assert "logger" not in search.fixed
 
 
 def test_each_option_says_whether_it_changes_what_is_learned():

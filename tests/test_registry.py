@@ -26,7 +26,7 @@ def test_the_lists_of_groups_and_options_are_read_from_the_classes():
     assert {group: registry.planned(group) for group in ("precision", "checkpointing",
                                                          "bn_mode")} == {
         "precision": ["fp32", "amp", "bf16", "bf16_pure"],
-        "checkpointing": ["none", "full", "offload"],
+        "checkpointing": ["none", "full", "offload", "selective_ops"],
         "bn_mode": ["train", "efficient_eval"]}
     assert [name for lighter in Adam.lighter
             for name in registry.options_of("optim", lighter)] == ["adafactor", "adamw_8bit"]

@@ -121,6 +121,7 @@ def plan(args: argparse.Namespace) -> int:
                          show=lambda line: print(line, file=sys.stderr, flush=True),
                          world_sizes=world_sizes(args.world_size))
     print(planner.describe(arguments, budget, plans, args.allow_changes))
+    print("\n" + planner.covered(plans[0].search))
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
                                      args.verify_steps))

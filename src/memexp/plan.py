@@ -15,6 +15,12 @@ trainer.nproc=N. Within each recomputation level, the fewest micro-batches are t
 the parallel options from the least communicated (each class's `cost_rank`).
 Given several world sizes (`--world-size 2,4,8`), the plan is for the smallest at which one fits.
 
+Any other group with options its classes plan (a technique added to conf/ with `planned` on its
+class) is searched too, on the "what is computed" side: the configured option and the planned
+ones, each with its cheapest way to fit. A planned option states `changes_math` as well. The
+plan ends with the space it covered: every group, the options it tried, and why it left out
+each of the others (`covered`).
+
 Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
 data.batch_size / k samples (only for k that divide the batch).
 
@@ -65,6 +71,16 @@ ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
 
 @dataclass
+class Search:
+    """The space a plan covered: the options tried in each searched group, why each other
+    option was left out, and the groups not searched (with the run's own choice)."""
+
+    space: dict[str, list[str]]
+    left_out: dict[str, dict[str, str]]
+    fixed: dict[str, str]
+
+
+@dataclass
 class Plan:
     overrides: list[str]  # the technique overrides, beyond the user's own
     precision: str
@@ -74,6 +90,7 @@ class Plan:
     recompute_flops: int
     numerics_rank: int  # the precision option's (0: fp32)
     changes: list[str]  # how its options change what is learned, a line each (none: same math)
+    search: Search  # the space it was chosen from
     fits: bool = False
 
     @property
@@ -87,36 +104,72 @@ class Plan:
                 self.accumulate, self.communication_rank, self.numerics_rank, self.peak_bytes)
 
 
+def computed_groups() -> tuple[str, ...]:
+    """The "what is computed" groups: COMPUTED, then every other group with planned options."""
+    return (*COMPUTED, *(group for group in registry.groups()
+                         if group not in (*COMPUTED, *KEPT) and registry.planned(group)))
+
+
 def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """The fixed overrides, and the searched groups given in sweep syntax (a,b,c)."""
     fixed, searched = [], {}
     for argument in arguments:
         key, _, value = argument.partition("=")
-        if key in (*COMPUTED, *KEPT, LOSS):
+        if key in (*computed_groups(), *KEPT):
             searched[key] = value.split(",")
         else:
             fixed.append(argument)
     return fixed, searched
 
 
-def search_space(cfg: DictConfig, optim: str, searched: dict[str, list[str]],
-                 world_size: int = 1) -> dict[str, list[str]]:
-    space = {}
-    for group in (*COMPUTED, *KEPT):
+def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, list[str]],
+                 world_size: int = 1, overrides: tuple[str, ...] = ()) -> Search:
+    """What a plan tries in each group, from `searched` (the command line's lists) or the
+    classes, and why it leaves out each other option; `choices` are the run's own (a model may
+    pick its optimizer) and `overrides` the user's fixed ones (the losses are composed with
+    them)."""
+    space, left_out = {}, {}
+    for group in (*computed_groups(), *KEPT):
         if group in searched:
             space[group] = searched[group]
+            why = "not in the command line's list"
         elif group == "optim":
+            optim = choices["optim"]
             space[group] = [optim, *(name for lighter in get_class(cfg.optim._target_).lighter
                                      for name in registry.options_of("optim", lighter))]
+            why = f"not lighter than optim={optim}, by its class"
         elif group == "parallel" and world_size == 1:
             space[group] = [registry.options_of("parallel", NoParallel)[0]]
+            why = "one process: --world-size N searches them"
         elif group == "optim.accumulate":
             space[group] = ACCUMULATE
+            why = ""
         elif group == "bn_mode" and not has_batch_norm(cfg):
             space[group] = [registry.baseline_option("bn_mode")]
-        else:
+            why = "the model has no BatchNorm"
+        elif group == LOSS:
+            space[group] = loss_options(list(overrides), choices[LOSS])
+            why = ""
+        elif group in COMPUTED or group in KEPT:
             space[group] = registry.planned(group)
-    return space
+            why = ""
+        else:  # a group beyond the built-in search: the run's own option, and the planned ones
+            space[group] = list(dict.fromkeys([choices[group], *registry.planned(group)]))
+            why = ""
+        if group == "optim.accumulate":  # micro-batches of data.batch_size / k samples
+            batch = cfg.data.batch_size
+            left_out[group] = {k: f"does not divide data.batch_size={batch}"
+                               for k in space[group] if batch % int(k)}
+            space[group] = [k for k in space[group] if k not in left_out[group]]
+        else:
+            left_out[group] = {name: why or not_planned(group, name)
+                               for name in registry.options(group) if name not in space[group]}
+        if group == LOSS and group not in searched:
+            left_out[group].update({name: f"does not compute loss={choices[LOSS]} on this model"
+                                    for name in registry.planned(LOSS)
+                                    if name not in space[group]})
+    fixed = {group: choices[group] for group in registry.groups() if group not in space}
+    return Search(space, left_out, fixed)
 
 
 def loss_options(fixed: list[str], loss: str) -> list[str]:
@@ -142,11 +195,26 @@ def loss_options(fixed: list[str], loss: str) -> list[str]:
     return options
 
 
-def group_choice(overrides: list[str], group: str) -> str:
-    """The option of `group` that these overrides select (a model may pick its optimizer)."""
+def not_planned(group: str, option: str) -> str:
+    """Why `memexp plan` does not try an option of a group it searches: its class says."""
+    path = registry.options(group)[option]["_target_"]
+    if path == registry.UNSET:
+        return f"the user names its {group}._target_"
+    target = get_class(path)
+    wanted = registry.stated(target, "planned", ())
+    if not wanted:
+        return f"{target.__name__} plans none"
+    return (f"{target.__name__} plans only "
+            + " or ".join(", ".join(f"{k}={v}" for k, v in args.items()) or "every option"
+                          for args in wanted))
+
+
+def group_choices(overrides: list[str]) -> dict[str, str]:
+    """The option of every group that these overrides select (a model may pick its
+    optimizer)."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
         cfg = compose("train", overrides=overrides, return_hydra_config=True)
-    return cfg.hydra.runtime.choices[group]
+    return dict(cfg.hydra.runtime.choices)
 
 
 def has_batch_norm(cfg: DictConfig) -> bool:
@@ -158,7 +226,7 @@ def has_batch_norm(cfg: DictConfig) -> bool:
 def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, dict]:
     """Each searched option of the technique groups, built: the option objects alone, no model.
     One compose (a second each on 2 busy cores) builds the n-th option of every group."""
-    groups = ("precision", "optim", "bn_mode", "checkpointing", "parallel")
+    groups = (*computed_groups(), "checkpointing", "parallel")
     built: dict[str, dict] = {group: {} for group in groups}
     for options in itertools.zip_longest(*(space[group] for group in groups)):
         chosen = {group: option for group, option in zip(groups, options, strict=True) if option}
@@ -171,13 +239,14 @@ def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, di
 
 
 def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: int,
-                 batch_norm: bool) -> list[str]:
+                 batch_norm: bool, own: dict[str, str]) -> list[str]:
     """How a plan changes what is learned: each chosen option's `changes_math`, and what
     accumulation changes with its bn_mode. bn_mode changes nothing in a model without
-    BatchNorm."""
+    BatchNorm, and a group beyond the built-in search changes nothing at the run's own option
+    (`own`: a loss class need not say)."""
     bn_mode = chosen["bn_mode"][choices["bn_mode"]]
-    if not batch_norm:
-        choices = {group: choice for group, choice in choices.items() if group != "bn_mode"}
+    choices = {group: choice for group, choice in choices.items()
+               if (group != "bn_mode" or batch_norm) and own.get(group) != choice}
     found = [f"{group}={choice}: {chosen[group][choice].changes_math}"
              for group, choice in choices.items() if chosen[group][choice].changes_math]
     if batch_norm and accumulate > 1 and bn_mode.accumulation_changes_math:
@@ -209,11 +278,13 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     fixed, searched = split_arguments(arguments)
     base = compose_config(fixed)
     batch = base.data.batch_size
-    space = search_space(base, group_choice(fixed, "optim"), searched, world_size)
-    configured_loss = group_choice(fixed, LOSS)
-    losses = searched.get(LOSS) or loss_options(fixed, configured_loss)
-    computed_options = list(itertools.product(space["precision"], space["optim"],
-                                              space["bn_mode"], losses))
+    choices = group_choices(fixed)
+    search = search_space(base, choices, searched, world_size, tuple(fixed))
+    space = search.space
+    groups = computed_groups()
+    computed_options = list(itertools.product(*(space[group] for group in groups)))
+    # the run's own option of each group beyond the built-in search
+    own = {group: choices[group] for group in groups if group not in COMPUTED}
     chosen = built_options(fixed, space)
     batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say);
@@ -221,21 +292,20 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     # communicated.
     kept_options = sorted(
         ((c, p, int(k)) for c in space["checkpointing"] for p in space["parallel"]
-         for k in space["optim.accumulate"] if batch % int(k) == 0),
+         for k in space["optim.accumulate"]),
         key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[2],
                             chosen["parallel"][option[1]].cost_rank))
     ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
-         f"candidates{ranks} against {budget} per rank, each until one fits (loss: "
-         f"{', '.join(losses)}):")
+         f"candidates{ranks} against {budget} per rank, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
     plans = []
-    for precision, optim, bn_mode, loss in computed_options:
-        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}",
-                    *([f"{LOSS}={loss}"] if loss != configured_loss else [])]
-        changes = {option: math_changes(chosen, {"precision": precision, "optim": optim,
-                                                 "bn_mode": bn_mode, "checkpointing": option[0]},
-                                        option[2], batch_norm)
+    for picks in computed_options:
+        picked = dict(zip(groups, picks, strict=True))
+        precision = picked["precision"]
+        computed = [f"{group}={option}" for group, option in picked.items()]
+        changes = {option: math_changes(chosen, {**picked, "checkpointing": option[0]},
+                                        option[2], batch_norm, own)
                    for option in kept_options}
         last = None
         # the ways that keep the math first, unless changes are allowed: the first fit is kept
@@ -248,7 +318,7 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
                 overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
             result = estimate(cfg, target, gpu)
-            key = (precision, optim, bn_mode, loss, accumulate)
+            key = (*picks, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
                 baseline_flops[key] = train_flops
@@ -256,7 +326,7 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
             last = Plan(overrides, precision, accumulate,
                         chosen["parallel"][parallel].cost_rank, result, recompute,
                         chosen["precision"][precision].numerics_rank,
-                        changes[checkpointing, parallel, accumulate])
+                        changes[checkpointing, parallel, accumulate], search)
             last.fits = last.peak_bytes <= limit
             show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
                  + " ".join(overrides))
@@ -301,6 +371,22 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
                      f"{mib(p.estimate.memory.get('offloaded_peak_bytes', 0)):>10}  "
                      f"{p.accumulate:>5}  {command(fixed, p)}")
         lines += [f"      changes what is learned: {change}" for change in p.changes]
+    return "\n".join(lines)
+
+
+def covered(search: Search) -> str:
+    """The search space a plan covered, a line a group: the options tried, and the others with
+    why they were left out; then the groups held at the run's own option."""
+    lines = ["search space covered:"]
+    for group, options in search.space.items():
+        reasons: dict[str, list[str]] = {}
+        for option, why in search.left_out[group].items():
+            reasons.setdefault(why, []).append(option)
+        left = "".join(f"; left out {', '.join(names)} ({why})"
+                       for why, names in reasons.items())
+        lines.append(f"  {group}: tried {', '.join(options)}{left}")
+    lines.append("  not searched, the run's own (their classes plan no other): "
+                 + ", ".join(f"{group}={choice}" for group, choice in search.fixed.items()))
     return "\n".join(lines)
 
 

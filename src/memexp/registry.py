@@ -82,19 +82,28 @@ def options_of(group: str, target) -> list[str]:
     return [name for name, option in options(group).items() if option["_target_"] == path]
 
 
+def stated(target, attribute: str, default):
+    """What a class states for these lists (`baseline`, `planned`), or `default` where it states
+    nothing: memory techniques (memexp.techniques.Technique) state both; a loss class or a
+    model's builder needs to only where `memexp plan` is to try its options."""
+    return getattr(target, attribute, default)
+
+
 def baseline_option(group: str) -> str | None:
-    """The option of a technique group that its class marks `baseline` (a run's baseline takes
-    it), or None where the group has none."""
+    """The option of a group that its class marks `baseline` (a run's baseline takes it), or
+    None where the group has none."""
     for target in targets(group):
-        if target.baseline:
+        if stated(target, "baseline", False):
             return options_of(group, target)[0]
     return None
 
 
 def planned(group: str) -> list[str]:
-    """The options of a technique group that `memexp plan` tries: those whose YAML has the
-    arguments of one of their class's `planned`; the group's baseline option first."""
-    chosen = [name for name, option in options(group).items() if option["_target_"] != UNSET
-              and any(wanted.items() <= option.items()
-                     for wanted in get_object(option["_target_"]).planned)]
+    """The options of a group that `memexp plan` tries: those whose YAML has the arguments of
+    one of their class's `planned`; the group's baseline option first. An option whose target
+    the user names (???) is never planned."""
+    chosen = [name for name, option in options(group).items()
+              if option["_target_"] != UNSET and any(
+                  wanted.items() <= option.items()
+                  for wanted in stated(get_object(option["_target_"]), "planned", ()))]
     return sorted(chosen, key=lambda name: name != baseline_option(group))

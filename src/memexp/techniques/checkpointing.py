@@ -9,8 +9,9 @@ the first forward pass (memexp.prechecks.FirstForward).
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Mapping
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 from typing import Protocol
@@ -18,7 +19,11 @@ from typing import Protocol
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from memexp.memory import host_resident, recomputing
 from memexp.models.blocks import (
@@ -65,14 +70,35 @@ def _contexts(module: nn.Module):
     return nullcontext(), _recomputation(module)
 
 
+@contextmanager
+def _all_of(*contexts: AbstractContextManager):
+    with ExitStack() as stack:
+        for context in contexts:
+            stack.enter_context(context)
+        yield
+
+
+def _selective_contexts(module: nn.Module, policy: OpPolicy):
+    """Per-op selective checkpointing's pair of contexts (each call: a fresh cache and mm
+    count), the recomputation's also keeping BatchNorm's statistics as they were."""
+    forward, recompute = create_selective_checkpoint_contexts(policy.for_one_call())
+    return forward, _all_of(_recomputation(module), recompute)
+
+
 class Checkpointed(Wrapper):
     """Runs `inner` under non-reentrant activation checkpointing: only its inputs are kept for
-    backward, and its forward is run again during backward, with the RNG state of the first run
-    (dropout masks match) and without touching BatchNorm running statistics twice."""
+    backward (and, with a `policy`, the outputs of the ops it saves), and its forward is run
+    again during backward, with the RNG state of the first run (dropout masks match) and
+    without touching BatchNorm running statistics twice."""
+
+    def __init__(self, inner: nn.Module, policy: OpPolicy | None = None):
+        super().__init__(inner)
+        self._contexts = (partial(_contexts, inner) if policy is None
+                          else partial(_selective_contexts, inner, policy))
 
     def forward(self, *args, **kwargs):
         return checkpoint(self.inner, *args, use_reentrant=False, preserve_rng_state=True,
-                          context_fn=partial(_contexts, self.inner), **kwargs)
+                          context_fn=self._contexts, **kwargs)
 
 
 def wrap_each(model: nn.Module, names: list[str], wrap, key: str) -> dict[str, nn.Module]:
@@ -117,7 +143,7 @@ class CheckpointBlocks(Technique):
 
     every: int = 1
     blocks: list[str] = ("auto",)
-    cost_rank = 1  # recomputes
+    cost_rank = 2  # recomputes whole blocks
     planned = ({"every": 1},)  # full; selective saves less than full for the same kind of cost
     changes_math = None  # recomputed as first computed (its RNG state, BatchNorm's statistics)
 
@@ -135,13 +161,107 @@ class CheckpointBlocks(Technique):
         return nullcontext()
 
 
+# torchtitan's "op" mode (SelectiveAC in torchtitan/distributed/activation_checkpoint.py,
+# 2026-08): keep the outputs of the ops that are expensive to recompute, and recompute the rest:
+# the pointwise ops, norms and softmaxes, whose outputs are as large as a matmul's but cost a
+# small share of its FLOPs. Saved: the partitioner's compute-intensive ops (torch's
+# get_default_op_list(), as of torch 2.13: the matmuls, convolutions and fused attention
+# kernels), `linear`, every SDPA variant, `max.default` (float8's scale) and `topk` (MoE
+# routing, which could pick other experts when recomputed). Added here: SDPA's CPU kernel, which
+# torchtitan, training on GPUs, does not list. Left out: its collectives (reduce_scatter,
+# all_to_all of tensor and expert parallelism), which never run inside memexp's blocks.
+TORCHTITAN_SAVE = (
+    "mm", "addmm", "bmm", "linear", "_scaled_mm", "convolution", "convolution_backward",
+    "upsample_bilinear2d", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_attention_math", "_scaled_dot_product_fused_attention_overrideable",
+    "_flash_attention_forward", "_efficient_attention_forward",
+    "_scaled_dot_product_flash_attention_for_cpu", "max.default", "topk",
+)
+# ... except every second call of these in each block, recomputed to balance memory against
+# compute (torchtitan counts aten.mm and aten.linear only: GPT-2's Conv1D projections are
+# addmm, all saved).
+TORCHTITAN_ALTERNATE = ("mm", "linear")
+
+
+def aten_ops(names: list[str], key: str) -> frozenset:
+    """The aten operators `names` name: `mm` (every overload) or `max.default` (that one)."""
+    ops = set()
+    for name in names:
+        base, _, overload = name.partition(".")
+        packet = getattr(torch.ops.aten, base, None)
+        if packet is None or overload and overload not in packet.overloads():
+            known = sorted({op.removeprefix("aten::") for op in
+                            torch._C._dispatch_get_all_op_names() if op.startswith("aten::")})
+            close = difflib.get_close_matches(name, known, n=5) or ["none"]
+            raise ValueError(
+                f"{key}: {name!r} is not an aten operator (`name` or `name.overload`, as "
+                f"torch.ops.aten names it); close to it: {', '.join(close)}. "
+                f"torchtitan's list: [{','.join(TORCHTITAN_SAVE)}]")
+        ops.update([packet] if not overload else [getattr(packet, overload)])
+    return frozenset(ops)
+
+
+@dataclass(frozen=True)
+class OpPolicy:
+    """Which op outputs a checkpointed block keeps: those of `save` (aten packets or single
+    overloads), except every second call of `alternate` in each block call."""
+
+    save: frozenset
+    alternate: frozenset
+
+    def for_one_call(self):
+        count = 0
+
+        def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
+            nonlocal count
+            # a higher-order operator (flex_attention) has no overloads
+            packet = func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
+            saved = func in self.save or packet in self.save
+            if func in self.alternate or packet in self.alternate:
+                count += 1
+                saved = saved and count % 2 == 1
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+        return policy
+
+
+@dataclass
+class CheckpointOps(Technique):
+    """Per-op selective checkpointing (torch's create_selective_checkpoint_contexts, torchtitan's
+    "op" mode) in every block: the outputs of the `save` ops are kept for backward, every other
+    op is run again, except every second call of an `alternate` op, recomputed too. Defaults:
+    torchtitan's lists (TORCHTITAN_SAVE); `blocks` as for `full`."""
+
+    save: list[str] = TORCHTITAN_SAVE
+    alternate: list[str] = TORCHTITAN_ALTERNATE
+    blocks: list[str] = ("auto",)
+    cost_rank = 1  # recomputes the cheap ops only: tried before whole blocks
+    planned = ({},)
+    changes_math = None  # recomputed as first computed; the saved outputs are the same tensors
+
+    def __post_init__(self) -> None:
+        self.policy = OpPolicy(aten_ops(self.save, "checkpointing.save"),
+                               aten_ops(self.alternate, "checkpointing.alternate"))
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
+        self.changed = wrap_each(model, self.found.names,
+                                 lambda module: Checkpointed(module, self.policy),
+                                 "checkpointing.blocks")
+        return model
+
+    def context(self) -> AbstractContextManager:
+        return nullcontext()
+
+
 @dataclass
 class CheckpointModules(Technique):
     """Checkpoint the named submodules, like MMEngine's
     `activation_checkpointing=['layer1', 'layer2']`; class names and globs work too."""
 
     modules: list[str]
-    cost_rank = 1
+    cost_rank = 2
     changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -167,7 +287,7 @@ class CheckpointSequential(Technique):
 
     segments: int = 2
     blocks: list[str] = ("auto",)
-    cost_rank = 1
+    cost_rank = 2
     changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -212,7 +332,7 @@ class OffloadActivations(Technique):
 
     pin_memory: bool = True
     blocks: list[str] | None = None
-    cost_rank = 2  # moves bytes to the host and back
+    cost_rank = 3  # moves bytes to the host and back
     planned = ({},)
     changes_math = None  # brought back as they were
 
