@@ -70,8 +70,9 @@ def test_the_quick_sweeps_quoted_baseline_memory_is_a_fresh_runs(baseline):
 
 
 def test_the_quick_sweeps_quoted_accuracy_is_a_fresh_runs_on_the_same_kernels(baseline):
-    """Accuracy after the quick sweep's steps moves with the order of the float sums, which the CPU kernels
-    torch picks (AVX512, AVX2) set: it is compared where they are those of the README's run."""
+    """Accuracy after the quick sweep's steps moves with the order of the float sums, which the
+    CPU kernels torch picks (AVX512, AVX2) set: it is compared where they are those of the
+    README's run."""
     quoted_kernels = re.search(r"(\w+) kernels", figures("quick-time")).group(1)
     here = torch.backends.cpu.get_cpu_capability()
     if here != quoted_kernels:
