@@ -405,13 +405,17 @@ def run(source: Source) -> list[Result]:
     return results
 
 
+def with_first(results: list[Result]) -> list[tuple[Result, Result]]:
+    """Each result beside its source's first row, which ratios and differences are taken to."""
+    firsts: dict[str, Result] = {}
+    return [(r, firsts.setdefault(r.source.key, r)) for r in results]
+
+
 def table(results: list[Result]) -> str:
     lines = ["| source | setting | GPU | trace | attention | published MiB | estimate MiB | "
              "error | ratio published | ratio estimate | ratio diff |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    baselines: dict[str, Result] = {}
-    for r in results:
-        first = baselines.setdefault(r.source.key, r)
+    for r, first in with_first(results):
         ratio_published = r.published / first.published
         ratio_estimate = r.predicted / first.predicted
         attention = ", ".join(sorted({op.removeprefix("aten._scaled_dot_product_")
@@ -430,9 +434,7 @@ def parallel_table(results: list[Result]) -> str:
     lines = ["| source | setting | rank of | GPU | trace | published MiB | estimate MiB | error | "
              "published - first row | estimate - first row | its error |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    baselines: dict[str, Result] = {}
-    for r in results:
-        first = baselines.setdefault(r.source.key, r)
+    for r, first in with_first(results):
         error = f"{r.error:+.1%}" if r.source.absolute else "not claimed"
         difference = "| - | - | - |"
         if r is not first:
@@ -449,14 +451,12 @@ def parallel_table(results: list[Result]) -> str:
 def summary(results: list[Result]) -> str:
     claimed = [r for r in results if r.source.absolute]
     within = sum(abs(r.error) <= 0.10 for r in claimed)
-    firsts = {r.source.key: r for r in reversed(results)}
-    ratios = [(r.predicted / firsts[r.source.key].predicted)
-              - (r.published / firsts[r.source.key].published)
-              for r in claimed if r is not firsts[r.source.key]]
-    differences = [(r.predicted - firsts[r.source.key].predicted
-                    - r.published + firsts[r.source.key].published)
-                   / abs(r.published - firsts[r.source.key].published)
-                   for r in results if not r.source.absolute and r is not firsts[r.source.key]]
+    pairs = [(r, first) for r, first in with_first(results) if r is not first]
+    ratios = [r.predicted / first.predicted - r.published / first.published
+              for r, first in pairs if r.source.absolute]
+    differences = [(r.predicted - first.predicted - r.published + first.published)
+                   / abs(r.published - first.published)
+                   for r, first in pairs if not r.source.absolute]
     lines = [f"errors within 10%: {within} of {len(claimed)} rows; largest |error| "
              f"{max(abs(r.error) for r in claimed):.1%}"] if claimed else []
     if ratios:
