@@ -306,7 +306,11 @@ SOURCES = (
         (*LLAMA2_7B, *TORCHTITAN, "checkpointing=full", "data.seq_len=2048",
          "data.batch_size=8", "trainer.nproc=8"),
         rows=(("FSDP2, full AC, 8 ranks: peak reserved", (), 0.3264 * 95.0396 * 1024),),
-        notes=(f"GPU: {TORCHTITAN_H100}",)),
+        notes=(f"GPU: {TORCHTITAN_H100}",
+               "not modelled: torch's caching allocator reuses a freed block only on the "
+               "stream it was allocated for, and FSDP2 allocates its all-gather and "
+               "reduce-scatter buffers on streams of its own; memexp's allocator model has one "
+               "stream")),
     Source(
         "torchtitan-2412", "torchtitan benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 "
         "and 3: the FSDP rows",
