@@ -392,6 +392,12 @@ def estimated(overrides: tuple[str, ...], gpu: str) -> tuple[Estimate, DictConfi
     return estimate(cfg, "cuda", gpu), cfg, time.perf_counter() - started
 
 
+def breakdown(result: Estimate) -> str:
+    """What the traced peak held, by category: which state a difference between rows is."""
+    return ", ".join(f"{role} {nbytes / MIB:,.0f}" for role, nbytes
+                     in result.memory["breakdown_at_peak"].items() if nbytes) + " MiB"
+
+
 def run(source: Source) -> list[Result]:
     results = []
     for label, extra, published_mib in source.rows:
@@ -404,7 +410,8 @@ def run(source: Source) -> list[Result]:
                               seconds))
         print(f"  {source.key}: {label}: published {published_mib:,.0f} MiB, estimate "
               f"{predicted / MIB:,.0f} MiB ({results[-1].error:+.1%}), trace "
-              f"{result.trace}, rank {result.rank} of {result.world_size}, "
+              f"{result.trace}, rank {result.rank} of {result.world_size}, peak in "
+              f"{result.memory['peak_phase']} ({breakdown(result)}), "
               f"{results[-1].seconds:.0f} s", flush=True)
     return results
 
