@@ -60,6 +60,16 @@ def test_each_rank_s_peak_is_estimated_within_2_percent_of_real_ranks(tmp_path, 
 
 
 @pytest.mark.slow
+def test_fsdp_keeps_no_gathered_parameters_between_steps():
+    # Between steps a rank holds its shards and their optimizer state: fully_shard frees each
+    # block's gathered parameters after use (storage.resize_(0)), as a GPU's allocator sees.
+    result = estimate(compose_config([*CPU_SMALL, *SMALL_GPT, "parallel=fsdp"]), world_size=2)
+    between = result.memory["phases"]["other"]["breakdown"]
+    assert between["activations"] == 0
+    # AdamW: 2 fp32 moments per shard (and a step count per tensor)
+    assert between["optimizer"] == pytest.approx(2 * between["params"], rel=0.01)
+
+
 def test_zero1_reports_the_rank_its_partition_gives_the_most(tmp_path):
     result = estimate(compose_config([*CPU_SMALL, *UNEVEN_MLP, "parallel=zero1"]),
                       world_size=2)

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from memexp.memory import LiveStorageTracker, MemoryMeter
+from memexp.memory.allocator import CachingAllocatorModel
 
 MIB = 2**20
 
@@ -79,6 +80,23 @@ def test_views_are_not_counted_twice_and_frees_are_seen():
         torch.ones(256, 1024)  # a temporary: allocated and freed at once
     assert tracker.current == 0
     assert tracker.peaks["other"].peak_bytes == 4 * MIB
+
+
+def test_a_storage_resized_in_place_is_counted_at_its_new_size():
+    # FSDP2 frees each block's gathered parameters with storage.resize_(0) and regrows them for
+    # the next gather: no op is dispatched for it. The allocator model gives the block back.
+    allocator = CachingAllocatorModel()
+    tracker = LiveStorageTracker(allocator=allocator)
+    torchs_own = torch.UntypedStorage.resize_
+    with tracker:
+        gathered = torch.empty(1024, 1024)
+        assert (tracker.current, allocator.allocated) == (4 * MIB, 4 * MIB)
+        gathered.untyped_storage().resize_(0)
+        assert (tracker.current, allocator.allocated) == (0, 0)
+        gathered.untyped_storage().resize_(2 * MIB)
+        assert (tracker.current, allocator.allocated) == (2 * MIB, 2 * MIB)
+    assert tracker.peaks["other"].peak_bytes == 4 * MIB
+    assert torch.UntypedStorage.resize_ is torchs_own  # outside a tracker, torch's own
 
 
 def test_registered_tensors_are_counted_once():

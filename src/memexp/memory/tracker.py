@@ -167,6 +167,21 @@ def tensor_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
         return []
 
 
+# `UntypedStorage.resize_` dispatches no op, so no mode sees it; FSDP2 frees each block's
+# gathered parameters with it after use and regrows them for the next gather
+# (torch.distributed.fsdp._fully_shard._fsdp_param.free_storage). While a tracker is active the
+# method reports to it; outside, it is torch's own.
+_STORAGE_RESIZE = torch.UntypedStorage.resize_
+_RESIZE_WATCHERS: list[LiveStorageTracker] = []
+
+
+def _resize_reported(storage: torch.UntypedStorage, size: int):
+    resized = _STORAGE_RESIZE(storage, size)
+    for tracker in _RESIZE_WATCHERS:
+        tracker.storage_resized(storage)
+    return resized
+
+
 class LiveStorageTracker(TorchDispatchMode):
     """Counts live device bytes after every op and records each phase's peak with its breakdown.
 
@@ -295,16 +310,7 @@ class LiveStorageTracker(TorchDispatchMode):
         nbytes = storage.nbytes()
         known = self._live.get(key)
         if known is not None:
-            if known.requested == nbytes:
-                return False
-            change = nbytes - known.requested  # resized in place
-            self._keep_as_at_peak(known)
-            known.nbytes += change
-            known.requested = nbytes
-            self._add(known, change)
-            if known.grad:
-                self._add_grad(change)
-            return change > 0 and not known.host
+            return known.requested != nbytes and self._resized(key, known, nbytes)
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
         self._clock += 1
         # positional: a third faster than keywords, on a path every allocation takes
@@ -319,6 +325,46 @@ class LiveStorageTracker(TorchDispatchMode):
         self._live[key] = record
         self._add(record, nbytes)
         return not record.host
+
+    def _resized(self, key: int, known: _Storage, nbytes: int) -> bool:
+        """A storage resized in place: True if device memory grew. torch's caching allocator
+        gives the old block back and hands out one of the new size (none for 0 bytes, which is
+        how FSDP2 frees its gathered parameters between uses)."""
+        self._keep_as_at_peak(known)
+        held = nbytes
+        if self.allocator is not None and not known.host:
+            self.allocator.free(key)
+            held = self.allocator.malloc(key, nbytes) if nbytes else 0
+        change = held - known.nbytes
+        known.nbytes, known.requested = held, nbytes
+        self._add(known, change)
+        if known.grad:
+            self._add_grad(change)
+        return change > 0 and not known.host
+
+    def storage_resized(self, storage: torch.UntypedStorage) -> None:
+        """`storage.resize_()` ran: no op is dispatched for it, so it is reported here (see
+        watching_storage_resizes)."""
+        known = self._live.get(id(storage))
+        if known is None or known.requested == storage.nbytes():
+            return
+        if self._resized(id(storage), known, storage.nbytes()):
+            self._maybe_peak()
+        if self.timeline is not None:
+            self.timeline.record(self.phase, self.current, self.activations_current,
+                                 self.grads_current, self.host_current)
+
+    def __enter__(self):
+        _RESIZE_WATCHERS.append(self)
+        if len(_RESIZE_WATCHERS) == 1:
+            torch.UntypedStorage.resize_ = _resize_reported
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _RESIZE_WATCHERS.remove(self)
+        if not _RESIZE_WATCHERS:
+            torch.UntypedStorage.resize_ = _STORAGE_RESIZE
+        return super().__exit__(*exc)
 
     def _out_of_budget(self, nbytes: int) -> None:
         """Fail the way a device of `budget` bytes would: the allocation that does not fit raises
