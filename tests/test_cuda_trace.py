@@ -31,14 +31,11 @@ from memexp.estimate import (
 from memexp.gpus import GPUS, gpu
 from memexp.result import mib
 
-from conftest import CPU_SMALL
+from conftest import CPU_SMALL, CUDA_PYTHON, needs_cuda_build
 
 MIB = 2**20
 TINY_GPT = ("model=transformer", "model.n_layers=1", "model.d_model=64", "data.seq_len=32",
             "data.batch_size=4", "data.num_train=16", "data.num_eval=8")
-CUDA_PYTHON = cudatrace.cuda_python() if os.environ.get("MEMEXP_CUDA_PYTHON") != "none" else None
-needs_cuda_build = pytest.mark.skipif(
-    CUDA_PYTHON is None, reason="needs the CUDA build of torch: run `make cuda-estimator`")
 
 # Offsets in struct cudaDeviceProp as CUDA 13's driver_types.h lays it out (read with offsetof
 # against the header); torch reads the same struct in test_torch_reads_the_table_s_device.

@@ -32,7 +32,12 @@
 #include <string.h>
 
 typedef int cudaError_t; /* an enum in the real headers; the ABI is an int */
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidDevice = 101 };
+enum {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidDevice = 101
+};
 
 /*
  * struct cudaDeviceProp as CUDA 13 lays it out (driver_types.h). Only the fields a caller may
@@ -107,7 +112,7 @@ static struct {
 } dev;
 
 /* How often each answered call was made; written to MEMEXP_FAKECUDA_LOG at exit. */
-enum { N_CALLS = 16 };
+enum { N_CALLS = 32 };
 static const char *call_names[N_CALLS];
 static atomic_long call_counts[N_CALLS];
 
@@ -314,6 +319,86 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     count(11, "cudaMemGetInfo");
     load_device();
     *free_bytes = *total_bytes = dev.memory;
+    return cudaSuccess;
+}
+
+/*
+ * Streams and events: what a parallel option's rank orders its collectives with (fully_shard
+ * gathers and reduces on streams of its own, and makes the compute stream wait on their
+ * events; memexp estimate traces it on a fake process group). A handle is a byte of its own,
+ * never read. Nothing is ever queued on the fake device, so every stream and event is complete:
+ * a wait or a synchronize returns at once, and that is the true answer.
+ */
+typedef void *handle_t;
+
+static cudaError_t make_handle(handle_t *made) {
+    *made = malloc(1);
+    return *made ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaStreamCreateWithPriority(handle_t *stream, unsigned int flags, int priority) {
+    (void)flags;
+    (void)priority;
+    count(13, "cudaStreamCreateWithPriority");
+    return make_handle(stream);
+}
+
+cudaError_t cudaEventCreateWithFlags(handle_t *event, unsigned int flags) {
+    (void)flags;
+    count(14, "cudaEventCreateWithFlags");
+    return make_handle(event);
+}
+
+cudaError_t cudaEventDestroy(handle_t event) {
+    count(15, "cudaEventDestroy");
+    free(event);
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecord(handle_t event, handle_t stream) {
+    (void)event;
+    (void)stream;
+    count(16, "cudaEventRecord");
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventRecordWithFlags(handle_t event, handle_t stream, unsigned int flags) {
+    (void)event;
+    (void)stream;
+    (void)flags;
+    count(17, "cudaEventRecordWithFlags");
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamWaitEvent(handle_t stream, handle_t event, unsigned int flags) {
+    (void)stream;
+    (void)event;
+    (void)flags;
+    count(18, "cudaStreamWaitEvent");
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventQuery(handle_t event) {
+    (void)event;
+    count(19, "cudaEventQuery");
+    return cudaSuccess;
+}
+
+cudaError_t cudaEventSynchronize(handle_t event) {
+    (void)event;
+    count(20, "cudaEventSynchronize");
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamQuery(handle_t stream) {
+    (void)stream;
+    count(21, "cudaStreamQuery");
+    return cudaSuccess;
+}
+
+cudaError_t cudaStreamSynchronize(handle_t stream) {
+    (void)stream;
+    count(22, "cudaStreamSynchronize");
     return cudaSuccess;
 }
 
