@@ -115,7 +115,8 @@ def nccl_line(text: str) -> str | None:
 
 def test_a_rank_s_cuda_estimate_adds_nccl_s_buffers_on_a_line_of_their_own(monkeypatch):
     monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")  # the CPU stand-in: the same lines
-    cfg = compose_config([*CPU_SMALL, *SMALL_GPT, "parallel=fsdp"])
+    cfg = compose_config([*CPU_SMALL, *SMALL_GPT, "model.n_layers=1", "data.num_train=16",
+                          "data.num_eval=8", "parallel=fsdp"])
     nccl = gpu("h100").nccl_buffers
     for world_size, expected in ((2, nccl.nbytes), (1, 0)):  # one rank has no peer
         result = estimate(cfg, "cuda", "h100", world_size=world_size)

@@ -167,8 +167,8 @@ def run(config: dict, gpu: Gpu, python: Path, world_size: int = 1) -> dict:
                "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
         process = subprocess.run(
             [str(python), "-m", "memexp.cuda_trace_process", str(result_file)],
-            input=json.dumps({"config": config, "gpu": gpu.key, "world_size": world_size}), text=True,
-            capture_output=True, env=env)
+            input=json.dumps({"config": config, "gpu": gpu.key, "world_size": world_size}),
+            text=True, capture_output=True, env=env)
         if process.returncode != 0:
             raise RuntimeError(f"the CUDA trace ({python}) failed with exit code "
                                f"{process.returncode}:\n{process.stderr[-4000:]}")

@@ -383,8 +383,9 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
 def check_cuda_kernels(parallel: type) -> None:
     """Refuse, with its reason, a parallel option that a trace on CUDA's kernels cannot run."""
     if parallel.not_traced_on_cuda:
+        name = "|".join(options_of("parallel", parallel))
         raise ValueError(
-            f"parallel={'|'.join(options_of('parallel', parallel))} --target cuda: {parallel.not_traced_on_cuda}, so the CUDA build "
+            f"parallel={name} --target cuda: {parallel.not_traced_on_cuda}, so the CUDA build "
             "cannot trace it. parallel=fsdp can be; MEMEXP_CUDA_PYTHON=none estimates this "
             "option on the CPU stand-in (the caching allocator modelled, CUDA's own kernel "
             "choices not seen)")
