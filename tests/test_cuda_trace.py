@@ -213,6 +213,19 @@ def test_a_cuda_plan_fits_the_gpu_less_its_context(monkeypatch, capsys):
         capsys.readouterr().out)
 
 
+def test_a_cuda_plan_for_ranks_fits_the_gpu_less_its_context_and_nccl_s_buffers(monkeypatch,
+                                                                                   capsys):
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    arguments = ["model=mlp", *CPU_SMALL, "data.batch_size=8", "precision=fp32", "optim=sgd",
+                 "checkpointing=none", "optim.accumulate=1", "parallel=fsdp"]
+    assert cli.main(["plan", *arguments, "--target", "cuda", "--gpu", "t4",
+                     "--world-size", "2"]) == 0
+    t4 = gpu("t4")
+    outside = t4.context.nbytes + t4.nccl_buffers.nbytes
+    assert f"fit in {(t4.memory - outside) // MIB}MiB per rank, on 2 ranks" in (
+        capsys.readouterr().out)
+
+
 # -- the trace in the CUDA build, on the fake device --------------------------------------------
 @pytest.mark.cudabuild
 @needs_cuda_build

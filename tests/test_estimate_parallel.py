@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from memexp import cli
@@ -106,6 +107,29 @@ def test_plan_at_world_size_2_picks_a_sharded_plan_that_fits_when_run(tmp_path, 
     verified = out[out.index("verified in"):].splitlines()[2].split()
     ratio, status = float(verified[-2]), verified[-1]
     assert status == "ok" and ratio == pytest.approx(1, abs=0.02)
+
+
+# fully_shard's split of a parameter across ranks: even, uneven, fewer rows than ranks (padded
+# with empty chunks), no rows, another dimension, and an 8B Llama's embedding at 128 ranks.
+@pytest.mark.parametrize("shape, count, dim", [
+    ((10, 4), 2, 0), ((10, 4), 4, 0), ((3, 5), 8, 0), ((0, 3), 4, 0), ((7, 6), 3, 1),
+    ((128256, 4096), 128, 0)])
+def test_a_rank_makes_fully_shard_s_chunks_when_read_as_torch_makes_them(shape, count, dim):
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from memexp.estimate_parallel import Chunks, fake_rank
+
+    tensor = torch.empty(shape, device="meta")
+    made = _fsdp_param._chunk_with_empty(tensor, count, dim)
+    when_read = Chunks(tensor, count, dim)
+    assert len(when_read) == len(made) == count
+    for chunk, read in zip(made, when_read, strict=True):
+        assert (read.shape, read.stride(), read.storage_offset()) == (
+            chunk.shape, chunk.stride(), chunk.storage_offset())
+        assert read.numel() == 0 or read._base is tensor  # a view, as torch.chunk's
+    with fake_rank(0, 2):  # only while a rank is traced
+        assert _fsdp_param._chunk_with_empty is Chunks
+    assert _fsdp_param._chunk_with_empty is not Chunks
 
 
 # -- --target cuda ---------------------------------------------------------------------------------
