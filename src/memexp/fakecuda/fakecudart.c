@@ -13,7 +13,8 @@
  * cudaDeviceGetStreamPriorityRange and cudaGetDriverEntryPointByVersion, and of the real
  * runtime only __cudaUnregisterFatBinary at exit; the other answers cover torch paths seen in
  * the first probe of this design (attributes, versions, error state, capture info) and
- * torch.cuda.mem_get_info.
+ * torch.cuda.mem_get_info. A rank of parallel=fsdp, traced on a fake process group, also
+ * creates streams and records and waits on events (fully_shard's gathers and reductions).
  *
  * It never pretends to do work: the calls that would allocate device or pinned memory, copy,
  * or launch a kernel abort the process with a message naming the call. Under FakeTensorMode
@@ -355,52 +356,20 @@ cudaError_t cudaEventDestroy(handle_t event) {
     return cudaSuccess;
 }
 
-cudaError_t cudaEventRecord(handle_t event, handle_t stream) {
-    (void)event;
-    (void)stream;
-    count(16, "cudaEventRecord");
-    return cudaSuccess;
-}
+/* Ordering and completion: their arguments are never read, so they are declared without them. */
+#define COMPLETE(slot, call)   \
+    cudaError_t call() {       \
+        count(slot, #call);    \
+        return cudaSuccess;    \
+    }
 
-cudaError_t cudaEventRecordWithFlags(handle_t event, handle_t stream, unsigned int flags) {
-    (void)event;
-    (void)stream;
-    (void)flags;
-    count(17, "cudaEventRecordWithFlags");
-    return cudaSuccess;
-}
-
-cudaError_t cudaStreamWaitEvent(handle_t stream, handle_t event, unsigned int flags) {
-    (void)stream;
-    (void)event;
-    (void)flags;
-    count(18, "cudaStreamWaitEvent");
-    return cudaSuccess;
-}
-
-cudaError_t cudaEventQuery(handle_t event) {
-    (void)event;
-    count(19, "cudaEventQuery");
-    return cudaSuccess;
-}
-
-cudaError_t cudaEventSynchronize(handle_t event) {
-    (void)event;
-    count(20, "cudaEventSynchronize");
-    return cudaSuccess;
-}
-
-cudaError_t cudaStreamQuery(handle_t stream) {
-    (void)stream;
-    count(21, "cudaStreamQuery");
-    return cudaSuccess;
-}
-
-cudaError_t cudaStreamSynchronize(handle_t stream) {
-    (void)stream;
-    count(22, "cudaStreamSynchronize");
-    return cudaSuccess;
-}
+COMPLETE(16, cudaEventRecord)
+COMPLETE(17, cudaEventRecordWithFlags)
+COMPLETE(18, cudaStreamWaitEvent)
+COMPLETE(19, cudaEventQuery)
+COMPLETE(20, cudaEventSynchronize)
+COMPLETE(21, cudaStreamQuery)
+COMPLETE(22, cudaStreamSynchronize)
 
 /*
  * torch (c10::cuda::DriverAPI, built on its first CUDA call) looks up driver functions through
