@@ -10,7 +10,12 @@ GradScaler's amp ops), while no kernel runs and nothing is allocated.
 
 Beyond the traced tensors, a CUDA run holds memory that no trace shows. What is modelled is
 added as its own line (memexp.estimate.describe): the cuBLAS workspaces (CublasWorkspaces,
-inside torch's allocator) and the CUDA context (memexp.gpus, outside it).
+inside torch's allocator), the CUDA context and, for a rank of several, NCCL's buffers
+(memexp.gpus, outside it).
+
+A parallel option's rank is traced in that process too, on a fake process group of its own
+(memexp.estimate_parallel): fully_shard's streams and events are the fake device's, and its
+pinned CPU offload is PinnedHostMemory's.
 """
 
 from __future__ import annotations
