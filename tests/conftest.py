@@ -20,6 +20,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
+from memexp import cudatrace
 from memexp.config import config_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -36,6 +37,12 @@ HF_BERT = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
            "+model.config.num_hidden_layers=2", "+model.config.hidden_size=32",
            "+model.config.num_attention_heads=2", "+model.config.intermediate_size=64",
            "+model.config.vocab_size=64", "+model.config.max_position_embeddings=64", *HF_DATA)
+
+# The CUDA build of torch that `--target cuda` traces with (memexp.cudatrace): tests marked
+# `cudabuild` need it and are skipped without it, or under MEMEXP_CUDA_PYTHON=none.
+CUDA_PYTHON = cudatrace.cuda_python() if os.environ.get("MEMEXP_CUDA_PYTHON") != "none" else None
+needs_cuda_build = pytest.mark.skipif(
+    CUDA_PYTHON is None, reason="needs the CUDA build of torch: run `make cuda-estimator`")
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -31,14 +31,11 @@ from memexp.estimate import (
 from memexp.gpus import GPUS, gpu
 from memexp.result import mib
 
-from conftest import CPU_SMALL
+from conftest import CPU_SMALL, CUDA_PYTHON, needs_cuda_build
 
 MIB = 2**20
 TINY_GPT = ("model=transformer", "model.n_layers=1", "model.d_model=64", "data.seq_len=32",
             "data.batch_size=4", "data.num_train=16", "data.num_eval=8")
-CUDA_PYTHON = cudatrace.cuda_python() if os.environ.get("MEMEXP_CUDA_PYTHON") != "none" else None
-needs_cuda_build = pytest.mark.skipif(
-    CUDA_PYTHON is None, reason="needs the CUDA build of torch: run `make cuda-estimator`")
 
 # Offsets in struct cudaDeviceProp as CUDA 13's driver_types.h lays it out (read with offsetof
 # against the header); torch reads the same struct in test_torch_reads_the_table_s_device.
@@ -213,6 +210,19 @@ def test_a_cuda_plan_fits_the_gpu_less_its_context(monkeypatch, capsys):
     assert cli.main(["plan", *arguments, "--target", "cuda", "--gpu", "t4"]) == 0
     t4 = gpu("t4")
     assert f"fit in {(t4.memory - t4.context.nbytes) // MIB}MiB (cuda estimate)" in (
+        capsys.readouterr().out)
+
+
+def test_a_cuda_plan_for_ranks_fits_the_gpu_less_its_context_and_nccl_s_buffers(monkeypatch,
+                                                                                   capsys):
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    arguments = ["model=mlp", *CPU_SMALL, "data.batch_size=8", "precision=fp32", "optim=sgd",
+                 "checkpointing=none", "optim.accumulate=1", "parallel=fsdp"]
+    assert cli.main(["plan", *arguments, "--target", "cuda", "--gpu", "t4",
+                     "--world-size", "2"]) == 0
+    t4 = gpu("t4")
+    outside = t4.context.nbytes + t4.nccl_buffers.nbytes
+    assert f"fit in {(t4.memory - outside) // MIB}MiB per rank, on 2 ranks" in (
         capsys.readouterr().out)
 
 

@@ -10,12 +10,14 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from memexp import cli
-from memexp.estimate import compose_config, estimate
+from memexp.estimate import compose_config, describe, estimate
+from memexp.gpus import gpu
 
-from conftest import CPU_SMALL, REPO
+from conftest import CPU_SMALL, REPO, needs_cuda_build
 
 SMALL_GPT = ("model=transformer", "model.d_model=64", "model.n_layers=2", "data.seq_len=32",
              "data.batch_size=4", "data.num_train=64", "data.num_eval=16", "trainer.max_steps=2",
@@ -115,3 +117,83 @@ def test_plan_at_world_size_2_picks_a_sharded_plan_that_fits_when_run(tmp_path, 
     verified = out[out.index("verified in"):].splitlines()[2].split()
     ratio, status = float(verified[-2]), verified[-1]
     assert status == "ok" and ratio == pytest.approx(1, abs=0.02)
+
+
+# fully_shard's split of a parameter across ranks: even, uneven, fewer rows than ranks (padded
+# with empty chunks), no rows, another dimension, and an 8B Llama's embedding at 128 ranks.
+@pytest.mark.parametrize("shape, count, dim", [
+    ((10, 4), 2, 0), ((10, 4), 4, 0), ((3, 5), 8, 0), ((0, 3), 4, 0), ((7, 6), 3, 1),
+    ((128256, 4096), 128, 0)])
+def test_a_rank_makes_fully_shard_s_chunks_when_read_as_torch_makes_them(shape, count, dim):
+    from torch.distributed.fsdp._fully_shard import _fsdp_param
+
+    from memexp.estimate_parallel import Chunks, fake_rank
+
+    tensor = torch.empty(shape, device="meta")
+    made = _fsdp_param._chunk_with_empty(tensor, count, dim)
+    when_read = Chunks(tensor, count, dim)
+    assert len(when_read) == len(made) == count
+    for chunk, read in zip(made, when_read, strict=True):
+        assert (read.shape, read.stride(), read.storage_offset()) == (
+            chunk.shape, chunk.stride(), chunk.storage_offset())
+        assert read.numel() == 0 or read._base is tensor  # a view, as torch.chunk's
+    with fake_rank(0, 2):  # only while a rank is traced
+        assert _fsdp_param._chunk_with_empty is Chunks
+    assert _fsdp_param._chunk_with_empty is not Chunks
+
+
+# -- --target cuda ---------------------------------------------------------------------------------
+def nccl_line(text: str) -> str | None:
+    return next((line for line in text.splitlines() if line.startswith("  + NCCL")), None)
+
+
+def test_a_rank_s_cuda_estimate_adds_nccl_s_buffers_on_a_line_of_their_own(monkeypatch):
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")  # the CPU stand-in: the same lines
+    cfg = compose_config([*CPU_SMALL, *SMALL_GPT, "model.n_layers=1", "data.num_train=16",
+                          "data.num_eval=8", "parallel=fsdp"])
+    nccl = gpu("h100").nccl_buffers
+    for world_size, expected in ((2, nccl.nbytes), (1, 0)):  # one rank has no peer
+        result = estimate(cfg, "cuda", "h100", world_size=world_size)
+        memory = result.memory
+        assert memory["nccl_bytes"] == expected
+        # outside torch's allocator, as the context is: in the device total, not in reserved
+        assert memory["device_peak_bytes"] == (memory["reserved_peak_bytes"]
+                                               + memory["context_bytes"] + expected)
+        line = nccl_line(describe(cfg, result))
+        if world_size == 1:
+            assert line is None
+        else:
+            assert line.split()[2:4] == ["160.0", "MiB"] and nccl.source in line
+    assert nccl.source.startswith("not measured: ") and "NCCL_BUFFSIZE" in nccl.source
+
+
+@pytest.mark.cudabuild
+@needs_cuda_build
+def test_the_cuda_build_traces_an_fsdp_rank_on_its_fake_group(monkeypatch):
+    """fully_shard on CUDA's kernels: its gather and reduce streams, events and pinned CPU
+    offload, on the fake device. What it shards is what it shards on the CPU stand-in, to
+    the byte."""
+    cfg = compose_config([*CPU_SMALL, *SMALL_GPT, "parallel=fsdp", "parallel.cpu_offload=true",
+                          "precision=bf16"])
+    result = estimate(cfg, "cuda", "h100", world_size=2)
+    assert (result.trace, result.rank, result.world_size) == ("cuda", 0, 2)
+    calls = result.device["runtime_calls"]
+    assert calls["cudaStreamCreateWithPriority"] > 0 and calls["cudaStreamWaitEvent"] > 0
+    assert result.memory["offloaded_peak_bytes"] > 0  # the sharded state, pinned on the host
+    assert result.memory["nccl_bytes"] == gpu("h100").nccl_buffers.nbytes
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    stand_in = estimate(cfg, "cuda", "h100", world_size=2)
+    for phase, category in (("backward", "params"), ("backward", "grads"), ("eval", "params")):
+        assert (result.memory["phases"][phase]["breakdown"][category]
+                == stand_in.memory["phases"][phase]["breakdown"][category] > 0)
+
+
+@pytest.mark.cudabuild
+@needs_cuda_build
+@pytest.mark.parametrize("option", ["ddp", "zero1"])
+def test_the_cuda_build_refuses_ddp_s_rank_with_the_reason(capsys, option):
+    assert cli.main(["estimate", *CPU_SMALL, *SMALL_GPT, f"parallel={option}", "--world-size",
+                     "2", "--target", "cuda"]) == 2
+    err = capsys.readouterr().err
+    assert f"parallel={option} --target cuda: DistributedDataParallel's reducer" in err
+    assert "MEMEXP_CUDA_PYTHON=none" in err

@@ -108,10 +108,14 @@ def plan(args: argparse.Namespace) -> int:
     from memexp import plan as planner
 
     budgets = [a.split("=", 1)[1] for a in args.arguments if a.startswith("budget=")]
+    ranks = world_sizes(args.world_size)
     if not budgets and args.target == "cuda":
-        # The GPU's capacity: what its memory leaves torch's allocator beside the context.
+        # The GPU's capacity: what its memory leaves torch's allocator beside the context, and
+        # beside NCCL's buffers where a plan may be a rank of several (one budget for every
+        # world size searched: a plan of one process gets the smaller one too).
         device = gpu(gpu_for(args))
-        budgets = [f"{(device.memory - device.context.nbytes) // 2**20}MiB"]
+        outside = device.context.nbytes + (device.nccl_buffers.nbytes if max(ranks) > 1 else 0)
+        budgets = [f"{(device.memory - outside) // 2**20}MiB"]
     if len(budgets) != 1:
         raise ValueError("memexp plan needs one budget=<size>, such as budget=24GiB "
                          "(with --target cuda, the --gpu's memory by default)")
@@ -119,7 +123,7 @@ def plan(args: argparse.Namespace) -> int:
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
     plans = planner.plan(arguments, budget, args.target, gpu_for(args), args.allow_changes,
                          show=lambda line: print(line, file=sys.stderr, flush=True),
-                         world_sizes=world_sizes(args.world_size))
+                         world_sizes=ranks)
     print(planner.describe(arguments, budget, plans, args.allow_changes))
     print("\n" + planner.covered(plans[0].search))
     if args.verify:

@@ -28,7 +28,8 @@ def main() -> int:
     request = json.loads(sys.stdin.read())
     output = Path(sys.argv[1])
     try:
-        result = estimate(OmegaConf.create(request["config"]), "cuda", request["gpu"])
+        result = estimate(OmegaConf.create(request["config"]), "cuda", request["gpu"],
+                          request["world_size"])
     except ValueError as error:
         output.write_text(json.dumps({"error": str(error)}))
         return 0

@@ -10,7 +10,12 @@ GradScaler's amp ops), while no kernel runs and nothing is allocated.
 
 Beyond the traced tensors, a CUDA run holds memory that no trace shows. What is modelled is
 added as its own line (memexp.estimate.describe): the cuBLAS workspaces (CublasWorkspaces,
-inside torch's allocator) and the CUDA context (memexp.gpus, outside it).
+inside torch's allocator), the CUDA context and, for a rank of several, NCCL's buffers
+(memexp.gpus, outside it).
+
+A parallel option's rank is traced in that process too, on a fake process group of its own
+(memexp.estimate_parallel): fully_shard's streams and events are the fake device's, and its
+pinned CPU offload is PinnedHostMemory's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pathlib import Path
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.weak import WeakIdKeyDictionary
 
 import memexp
 from memexp import fakecuda
@@ -116,6 +122,26 @@ class ConvolutionWorkspaces(TorchDispatchMode):
                           f"kernel, {tuple(input.shape)} -> {tuple(output.shape)}")
 
 
+class PinnedHostMemory(TorchDispatchMode):
+    """Page-locked host memory for fake tensors, which have none: `pin_memory()` of a fake
+    host tensor is its copy (as pinning copies into memory the CUDA driver locked), and that
+    copy answers is_pinned() with True. fully_shard's CPU offload keeps its sharded parameters
+    and gradients so on a GPU; the copies are host memory, like the tensors they pin."""
+
+    def __init__(self):
+        super().__init__()
+        self.pinned = WeakIdKeyDictionary()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _ops._pin_memory.default:
+            pinned = args[0].clone()
+            self.pinned[pinned] = True
+            return pinned
+        if func is _ops.is_pinned.default:
+            return args[0] in self.pinned
+        return func(*args, **(kwargs or {}))
+
+
 def cuda_python() -> Path | None:
     """The python of the venv with a CUDA build of torch: MEMEXP_CUDA_PYTHON, else the
     checkout's .venv-cuda (made by `make cuda-estimator`), else None (also for
@@ -132,10 +158,12 @@ def cuda_python() -> Path | None:
     return python if python.is_file() else None
 
 
-def run(config: dict, gpu: Gpu, python: Path) -> dict:
-    """Trace the composed run `config` in a process of `python`'s venv on the fake `gpu`.
-    Returns the Estimate's fields, with the fake device's call counts and the driver library
-    the process loaded under "device"."""
+def run(config: dict, gpu: Gpu, python: Path, world_size: int = 1) -> dict:
+    """Trace the composed run `config` in a process of `python`'s venv on the fake `gpu`: its
+    one process, or (for a parallel option) its rank with the largest peak of `world_size`,
+    on a fake process group of the trace process's own (memexp.estimate.on_ranks). Returns
+    the Estimate's fields, with the fake device's call counts and the driver library the
+    process loaded under "device"."""
     libraries = fakecuda.build(python.parent.parent / "memexp-fakecuda")
     source = str(Path(memexp.__file__).resolve().parents[1])  # this memexp, not an older copy
     with tempfile.TemporaryDirectory(prefix="memexp-cudatrace-") as folder:
@@ -144,8 +172,8 @@ def run(config: dict, gpu: Gpu, python: Path) -> dict:
                "PYTHONPATH": os.pathsep.join(filter(None, [source, os.environ.get("PYTHONPATH")]))}
         process = subprocess.run(
             [str(python), "-m", "memexp.cuda_trace_process", str(result_file)],
-            input=json.dumps({"config": config, "gpu": gpu.key}), text=True,
-            capture_output=True, env=env)
+            input=json.dumps({"config": config, "gpu": gpu.key, "world_size": world_size}),
+            text=True, capture_output=True, env=env)
         if process.returncode != 0:
             raise RuntimeError(f"the CUDA trace ({python}) failed with exit code "
                                f"{process.returncode}:\n{process.stderr[-4000:]}")

@@ -80,6 +80,7 @@ from memexp.loggers import NoLogger
 from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.prechecks import check_signature, dry_run
+from memexp.registry import options_of
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.techniques import check_estimable
 from memexp.trainer import Trainer
@@ -368,28 +369,35 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
     parallel = get_class(cfg.parallel._target_)
     world_size = cfg.trainer.nproc if world_size is None else world_size
     check_estimable(parallel, world_size)
+    python = None if target == "cpu" or torch.cuda.is_available() else cudatrace.cuda_python()
+    if target == "cuda" and (python is not None or torch.cuda.is_available()):
+        check_cuda_kernels(parallel)
+    if python is not None:  # the whole estimate, each rank's trace too, in the CUDA build
+        return Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True),
+                                        gpu(gpu_key), python, world_size))
     if not parallel.distributed:
         return one_process(cfg, target, gpu_key)
-    if target == "cuda" and (torch.cuda.is_available() or cudatrace.cuda_python() is not None):
-        raise ValueError(
-            f"parallel={cfg.parallel._target_.rsplit('.', 1)[-1].lower()} --target cuda: the "
-            "ranks are traced on torch's fake process group, which the CUDA trace process does "
-            "not join yet. MEMEXP_CUDA_PYTHON=none estimates them on the CPU stand-in (the "
-            "caching allocator modelled, CUDA's own kernel choices not seen)")
     return on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
 
 
+def check_cuda_kernels(parallel: type) -> None:
+    """Refuse, with its reason, a parallel option that a trace on CUDA's kernels cannot run."""
+    if parallel.not_traced_on_cuda:
+        name = "|".join(options_of("parallel", parallel))
+        raise ValueError(
+            f"parallel={name} --target cuda: {parallel.not_traced_on_cuda}, so the CUDA build "
+            "cannot trace it. parallel=fsdp can be; MEMEXP_CUDA_PYTHON=none estimates this "
+            "option on the CPU stand-in (the caching allocator modelled, CUDA's own kernel "
+            "choices not seen)")
+
+
 def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:
-    """The estimate of the one process, or the one rank, that this process is."""
+    """The estimate of the one process, or the one rank, that this process is: for a GPU, on
+    CUDA's kernels where this torch has them (the trace process, on its fake device), else on
+    the CPU stand-in."""
     if target == "cpu":
         return trace(cfg, "cpu")
-    device = gpu(gpu_key)
-    if torch.cuda.is_available():  # the trace process, on its fake device (or a real GPU)
-        return trace(cfg, "cuda", device)
-    python = cudatrace.cuda_python()
-    if python is None:
-        return trace(cfg, "cpu", device)
-    return Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True), device, python))
+    return trace(cfg, "cuda" if torch.cuda.is_available() else "cpu", gpu(gpu_key))
 
 
 # Steps traced. Two set the peak: the optimizer state that step 1 creates is alive throughout
@@ -421,6 +429,8 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     with torch.device("meta"):
         model = build_model(cfg.model)
     with fake, values, _foreach_for_fake_tensors(), ExitStack() as modes:
+        if kernels == "cuda":  # from the first op: fully_shard pins as it shards
+            modes.enter_context(cudatrace.PinnedHostMemory())
         trainer = Trainer(cfg, allocator=allocator, data=_RealBatches(data, values),
                           model=with_storage(model))
         flops.phase = lambda: trainer.meter.tracker.phase
@@ -433,7 +443,8 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     memory = trainer.meter.report()
     memory["source"] = f"estimate ({'cpu' if device is None else 'cuda'})"
     if device is not None:
-        memory.update(untraced_memory(memory["peak_bytes"], allocator, workspaces.total, device),
+        memory.update(untraced_memory(memory["peak_bytes"], allocator, workspaces.total, device,
+                                      trainer.parallel.world_size),
                       cudnn_workspace_bound_bytes=convolutions.largest,
                       cudnn_workspace_bound_convolution=convolutions.shape)
     per_step = {phase: flops.by_phase[phase] // steps
@@ -473,8 +484,10 @@ def with_storage(model: nn.Module) -> nn.Module:
 
 
 def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspaces: int,
-                    device: Gpu) -> dict:
+                    device: Gpu, world_size: int) -> dict:
     """A CUDA estimate's totals, with what no trace shows on lines of its own."""
+    # a communicator of one rank has no peer to keep buffers for
+    nccl = device.nccl_buffers.nbytes if world_size > 1 else 0
     return {
         # inside torch's allocator: torch.cuda.max_memory_allocated() and _reserved() count it
         "cublas_workspace_bytes": workspaces,
@@ -482,7 +495,8 @@ def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspac
         "reserved_peak_bytes": allocator.reserved_peak,
         # outside it: nvidia-smi counts it (memexp.gpus)
         "context_bytes": device.context.nbytes,
-        "device_peak_bytes": allocator.reserved_peak + device.context.nbytes,
+        "nccl_bytes": nccl,
+        "device_peak_bytes": allocator.reserved_peak + device.context.nbytes + nccl,
     }
 
 
@@ -616,6 +630,12 @@ def cuda_lines(result: Estimate) -> list[str]:
         "torch.cuda.max_memory_reserved()",
         f"  + context    {mib(memory['context_bytes']):>10}  the CUDA context (outside "
         f"torch's allocator), {device.context.source}",
+    ]
+    if memory["nccl_bytes"]:
+        lines.append(f"  + NCCL       {mib(memory['nccl_bytes']):>10}  NCCL's buffers for the "
+                     f"rank's communicator (outside torch's allocator), "
+                     f"{device.nccl_buffers.source}")
+    lines += [
         f"  = device     {mib(memory['device_peak_bytes']):>10}  compare nvidia-smi; the "
         f"{device.key} has {mib(device.memory)}",
     ]

@@ -9,7 +9,8 @@ A GPU sets four things:
   caching allocator (memexp.cudatrace.CublasWorkspaces adds them where they are first used);
 - the CUDA context added to the estimate: memory the driver holds for the process (kernels,
   the context's own state), outside torch's allocator, so `nvidia-smi` shows it and
-  `torch.cuda.max_memory_allocated()` does not.
+  `torch.cuda.max_memory_allocated()` does not; and, for a rank of 2 or more, NCCL's buffers,
+  outside it too.
 
 Each of those figures carries its source: a measurement with its stack, a published figure with
 its citation, or "not measured: modelled as ..." with what stands in for it.
@@ -70,6 +71,24 @@ CUBLAS_SM90 = Figure(32 * MIB, "published: torch's default on sm_90, 4096 KiB x 
 CUBLASLT = Figure(1 * MIB, "published: torch's default CUBLASLT_WORKSPACE_SIZE, 1024 KiB, kept "
                   "apart from cuBLAS's (CublasHandlePool.cpp, getCUDABlasLtWorkspaceSize)")
 
+# NCCL's buffers for a communicator of 2 or more ranks: memory NCCL allocates itself (cuMem),
+# outside torch's allocator, on its first collective. Each channel keeps its own buffers for
+# every connection of a collective (sjeaugey in NVIDIA/nccl#1450), for each of NCCL's three
+# protocols: Simple's is NCCL_BUFFSIZE, 4 MiB by default (NCCL's docs, env.html#nccl-buffsize),
+# LL128's 4.69 MiB and LL's 0.5 MiB, 9.19 MiB rounded to cuMem's 2 MiB granularity: the
+# 10,485,760-byte allocations NCCL_DEBUG_SUBSYS=ALLOC shows on 8 H100s (NVIDIA/nccl#1685). A
+# ring receives from one peer per channel whatever the number of ranks ("Ring uses a limited
+# amount of memory as it only has 2 connections regardless of the scale", sjeaugey in
+# NVIDIA/nccl#986, who adds that memory is linear in the number of channels). Channels: the 16
+# of NCCL's rings on 8-H100 nodes (the NCCL_DEBUG=INFO log in NVIDIA/nccl#1453). Trees, NVLS,
+# all-to-all (+3.3 GB on 8 H100s, nccl#1685) and more channels add to it; NCCL_BUFFSIZE and
+# NCCL_MAX_NCHANNELS shrink it.
+NCCL_RING = Figure(16 * 10 * MIB, "not measured: modelled as one ring's receive buffers, 16 "
+                   "channels x 10 MiB (NCCL_BUFFSIZE's 4 MiB for the Simple protocol, NCCL's "
+                   "docs, + LL128's and LL's, in the 10 MiB allocations seen on 8 H100s, "
+                   "NVIDIA/nccl#1685; 16 ring channels on H100 nodes, NVIDIA/nccl#1453); "
+                   "trees, NVLS and all-to-all add more")
+
 
 @dataclass(frozen=True)
 class Architecture:
@@ -103,6 +122,8 @@ class Gpu:
     context: Figure  # the CUDA context, outside torch's allocator
     cublas_workspace: Figure  # per (cuBLAS handle, stream), inside torch's allocator
     cublaslt_workspace: Figure = CUBLASLT
+    # NCCL's buffers of one communicator of 2 or more ranks, outside torch's allocator
+    nccl_buffers: Figure = NCCL_RING
 
     @property
     def architecture(self) -> Architecture:

@@ -13,7 +13,8 @@
  * cudaDeviceGetStreamPriorityRange and cudaGetDriverEntryPointByVersion, and of the real
  * runtime only __cudaUnregisterFatBinary at exit; the other answers cover torch paths seen in
  * the first probe of this design (attributes, versions, error state, capture info) and
- * torch.cuda.mem_get_info.
+ * torch.cuda.mem_get_info. A rank of parallel=fsdp, traced on a fake process group, also
+ * creates streams and records and waits on events (fully_shard's gathers and reductions).
  *
  * It never pretends to do work: the calls that would allocate device or pinned memory, copy,
  * or launch a kernel abort the process with a message naming the call. Under FakeTensorMode
@@ -32,7 +33,12 @@
 #include <string.h>
 
 typedef int cudaError_t; /* an enum in the real headers; the ABI is an int */
-enum { cudaSuccess = 0, cudaErrorInvalidValue = 1, cudaErrorInvalidDevice = 101 };
+enum {
+    cudaSuccess = 0,
+    cudaErrorInvalidValue = 1,
+    cudaErrorMemoryAllocation = 2,
+    cudaErrorInvalidDevice = 101
+};
 
 /*
  * struct cudaDeviceProp as CUDA 13 lays it out (driver_types.h). Only the fields a caller may
@@ -107,7 +113,7 @@ static struct {
 } dev;
 
 /* How often each answered call was made; written to MEMEXP_FAKECUDA_LOG at exit. */
-enum { N_CALLS = 16 };
+enum { N_CALLS = 32 };
 static const char *call_names[N_CALLS];
 static atomic_long call_counts[N_CALLS];
 
@@ -316,6 +322,54 @@ cudaError_t cudaMemGetInfo(size_t *free_bytes, size_t *total_bytes) {
     *free_bytes = *total_bytes = dev.memory;
     return cudaSuccess;
 }
+
+/*
+ * Streams and events: what a parallel option's rank orders its collectives with (fully_shard
+ * gathers and reduces on streams of its own, and makes the compute stream wait on their
+ * events; memexp estimate traces it on a fake process group). A handle is a byte of its own,
+ * never read. Nothing is ever queued on the fake device, so every stream and event is complete:
+ * a wait or a synchronize returns at once, and that is the true answer.
+ */
+typedef void *handle_t;
+
+static cudaError_t make_handle(handle_t *made) {
+    *made = malloc(1);
+    return *made ? cudaSuccess : cudaErrorMemoryAllocation;
+}
+
+cudaError_t cudaStreamCreateWithPriority(handle_t *stream, unsigned int flags, int priority) {
+    (void)flags;
+    (void)priority;
+    count(13, "cudaStreamCreateWithPriority");
+    return make_handle(stream);
+}
+
+cudaError_t cudaEventCreateWithFlags(handle_t *event, unsigned int flags) {
+    (void)flags;
+    count(14, "cudaEventCreateWithFlags");
+    return make_handle(event);
+}
+
+cudaError_t cudaEventDestroy(handle_t event) {
+    count(15, "cudaEventDestroy");
+    free(event);
+    return cudaSuccess;
+}
+
+/* Ordering and completion: their arguments are never read, so they are declared without them. */
+#define COMPLETE(slot, call)   \
+    cudaError_t call() {       \
+        count(slot, #call);    \
+        return cudaSuccess;    \
+    }
+
+COMPLETE(16, cudaEventRecord)
+COMPLETE(17, cudaEventRecordWithFlags)
+COMPLETE(18, cudaStreamWaitEvent)
+COMPLETE(19, cudaEventQuery)
+COMPLETE(20, cudaEventSynchronize)
+COMPLETE(21, cudaStreamQuery)
+COMPLETE(22, cudaStreamSynchronize)
 
 /*
  * torch (c10::cuda::DriverAPI, built on its first CUDA call) looks up driver functions through
