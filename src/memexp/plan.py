@@ -237,6 +237,14 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
                                         p.cost()))
 
 
+def not_searched() -> list[str]:
+    """The technique options that no estimate traces (their class says `estimable = False`:
+    compile's): plan cannot weigh them, and says so."""
+    return [f"{group}={name}" for group in registry.techniques()
+            for target in registry.targets(group) if not target.estimable
+            for name in registry.options_of(group, target)]
+
+
 def command(fixed: list[str], plan_: Plan) -> str:
     return shlex.join(["python", "train.py", *fixed, *plan_.overrides])
 
@@ -254,6 +262,10 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
         lines.append(f"{len(changing)} of them change what is learned, "
                      + ("ranked with the rest (--allow-changes)" if allow_changes else
                         "after every one that keeps it (--allow-changes ranks them by cost too)"))
+    unsearched = not_searched()
+    if unsearched:
+        lines.append(f"not searched: {', '.join(unsearched)} (memexp estimate cannot trace a "
+                     "compiled model: measure them with train.py)")
     header = (f"  {'#':>2}  {'peak':>10}  {'recompute':>10}  {'offloaded':>10}  {'micro':>5}  "
               "command")
     lines += ["", header]
