@@ -7,7 +7,8 @@ save: torch's default). For each row, one trainer:
 - steps 2 and 3 under the meter give the peak and the saved activations: the CPU allocator's own
   count for the compiled rows (memexp.memory.profiled), the live-storage tracker for eager;
   compile-time allocations are left out of both (step 1 runs before the meter);
-- step times: every row's steps interleaved round-robin, compared by their medians.
+- step times: every row's steps interleaved round-robin (after a round untimed), compared by
+  their medians.
 Dropout is off (bench/techniques.py NO_DROPOUT), so that the gradients can match.
 
 The curve is plotted to --plot (peak and saved activations against the budget, eager's and
@@ -71,6 +72,10 @@ def measure(model: str, extra: list[str], rounds: int) -> list[dict]:
         print(f"  {row.name}: built, compiled and measured in {results[-1]['build_s']:.0f} s",
               flush=True)
     times: dict[str, list[float]] = {r["row"].name: [] for r in results}
+    # Building a compiled row resets dynamo (memexp.techniques.compile): the earlier rows
+    # compile again in this untimed round, each at its own budget.
+    for r in results:
+        r["trainer"].train_step(r["batches"])
     for round_ in range(rounds):
         order = results[round_ % len(results):] + results[:round_ % len(results)]
         for r in order:

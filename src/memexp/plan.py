@@ -198,6 +198,10 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
          f"candidates{ranks} against {budget} per rank, each until one fits:")
+    unsearched = not_searched()
+    if unsearched:
+        show(f"  not searched: {', '.join(unsearched)} (memexp estimate cannot trace a compiled "
+             "model: measure them with train.py)")
     baseline_flops: dict[tuple, int] = {}
     plans = []
     for precision, optim, bn_mode in computed_options:
@@ -262,10 +266,6 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
         lines.append(f"{len(changing)} of them change what is learned, "
                      + ("ranked with the rest (--allow-changes)" if allow_changes else
                         "after every one that keeps it (--allow-changes ranks them by cost too)"))
-    unsearched = not_searched()
-    if unsearched:
-        lines.append(f"not searched: {', '.join(unsearched)} (memexp estimate cannot trace a "
-                     "compiled model: measure them with train.py)")
     header = (f"  {'#':>2}  {'peak':>10}  {'recompute':>10}  {'offloaded':>10}  {'micro':>5}  "
               "command")
     lines += ["", header]

@@ -90,4 +90,10 @@ class Compile(Technique):
         self.compiler = cpp_compiler()
 
     def apply(self, model: nn.Module) -> nn.Module:
+        # Dynamo keys what it compiled by the code object it traced (the model class's forward),
+        # not by the model, nor by the functorch settings the graph was partitioned under: a
+        # second model of the class in this process (a bench's next row, an in-process job)
+        # would run the first one's graph, at the first one's checkpointing.budget. Whatever
+        # else this process compiled compiles again when next called (under its own settings).
+        torch.compiler.reset()
         return Compiled(model, self.mode)
