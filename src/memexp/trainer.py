@@ -159,8 +159,9 @@ class Trainer:
         self.parallel = build(cfg.parallel)
         self.optim = build(cfg.optim)
         self.compile = build(cfg.compile)
-        check_combination(self.precision, self.optim, self.parallel, self.bn_mode, self.device,
-                          cfg.trainer.checkpoint_every, self.checkpointing, self.compile)
+        check_combination(self.precision, self.optim, self.parallel, self.bn_mode,
+                          self.checkpointing, self.compile, self.device,
+                          cfg.trainer.checkpoint_every)
 
         model = build_model(cfg.model) if model is None else model
         # After the model: loss=model weighs micro-batches as the model's own loss reduces its
@@ -182,10 +183,10 @@ class Trainer:
         model = self.precision.apply(model.to(self.device))
         # 3. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
-        # 4. Compile traces what precision and checkpointing made of the model (a cast module,
-        #    autocast inside; checkpointing=budget is read as it partitions the graph), and goes
-        #    inside the parallel wrapper: DDP's gradient hooks stay eager around the compiled
-        #    model (FSDP2 is refused: memexp.techniques.compile).
+        # 4. Compile traces the model as precision and checkpointing left it (cast parameters;
+        #    autocast and checkpointing=budget are read when the first forward pass compiles),
+        #    and goes inside the parallel wrapper: DDP's gradient hooks stay eager around the
+        #    compiled model (FSDP2 is refused: memexp.techniques.compile).
         model = self.compile.apply(model)
         # 5. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.

@@ -444,17 +444,16 @@ class MemoryMeter:
             report["saved_activations_bytes"] = self.tracker.saved_activations
             report["grads_peak_bytes"] = self.tracker.grads_peak
             report["offloaded_peak_bytes"] = self.tracker.host_peak
+        live_after_steps = self.live_after_steps
         if self.counters is not None:
             report.update(self.counters.report())
             peaks = dict(self.counters.peaks)
         elif self.profile is not None:
             measured = self.profile.result or AllocatorPeaks()  # never entered: no steps
             report["saved_activations_bytes"] = measured.saved_activations
-            peaks = dict(measured.peaks)
+            peaks, live_after_steps = dict(measured.peaks), measured.live_after_steps
         else:
             peaks = {name: p.peak_bytes for name, p in tracked.items()}
-        live_after_steps = (self.profile.result.live_after_steps if self.profile is not None
-                            else self.live_after_steps)
         report["leak"] = find_leak(live_after_steps, self.warmup_steps)
         if not peaks:
             return report

@@ -71,8 +71,8 @@ class Technique:
     estimable: ClassVar[bool] = True
 
 
-def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
-                      checkpoint_every: int = 0, checkpointing=None, compile=None) -> None:
+def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile,
+                      device: torch.device, checkpoint_every: int = 0) -> None:
     """Refuse, before anything is built, the combinations that cannot work. Every rule reads
     the options' capability attributes (`needs_all_grads`, `in_backward`, `distributed`, ...),
     so what works with what is stated on the classes and checked here only."""
@@ -109,8 +109,7 @@ def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
             f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
             f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
         )
-    if compile is not None:
-        check_compile(compile, checkpointing, parallel)
+    check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:
         raise ValueError(
             "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
