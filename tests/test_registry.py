@@ -21,8 +21,9 @@ SRC = REPO / "src"
 
 
 def test_the_lists_of_groups_and_options_are_read_from_the_classes():
-    assert GROUPS == ("precision", "checkpointing", "optim", "parallel", "bn_mode")
-    assert BASELINE_GROUPS == ("precision", "checkpointing", "bn_mode")  # `baseline = True`
+    assert GROUPS == ("precision", "checkpointing", "optim", "parallel", "bn_mode", "compile")
+    # `baseline = True`
+    assert BASELINE_GROUPS == ("precision", "checkpointing", "bn_mode", "compile")
     assert {group: registry.planned(group) for group in ("precision", "checkpointing",
                                                          "bn_mode")} == {
         "precision": ["fp32", "amp", "bf16", "bf16_pure"],

@@ -129,6 +129,7 @@ class TrainConfig:
     optim: Any = MISSING
     precision: Any = MISSING
     checkpointing: Any = MISSING
+    compile: Any = MISSING
     parallel: Any = MISSING
     bn_mode: Any = MISSING
     loss: Any = MISSING

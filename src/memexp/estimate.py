@@ -369,6 +369,13 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
     parallel = get_class(cfg.parallel._target_)
     world_size = cfg.trainer.nproc if world_size is None else world_size
     check_estimable(parallel, world_size)
+    if not get_class(cfg.compile._target_).estimable:
+        raise ValueError(
+            f"compile={cfg.compile.mode}: memexp estimate traces the eager aten ops on fake "
+            "tensors; Inductor's fused kernels and their buffers, and what its partitioner saves "
+            "for backward (checkpointing=budget), are not in that trace, so the figure would be "
+            "the eager run's. Measure it with train.py (the CPU allocator's own count), or "
+            "estimate compile=none")
     python = None if target == "cpu" or torch.cuda.is_available() else cudatrace.cuda_python()
     if target == "cuda" and (python is not None or torch.cuda.is_available()):
         check_cuda_kernels(parallel)

@@ -298,6 +298,10 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
     show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
          f"candidates{ranks} against {budget} per rank, each until one fits:")
+    unsearched = not_searched()
+    if unsearched:
+        show(f"  not searched: {', '.join(unsearched)} (memexp estimate cannot trace a compiled "
+             "model: measure them with train.py)")
     baseline_flops: dict[tuple, int] = {}
     plans = []
     for picks in computed_options:
@@ -336,6 +340,14 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
             plans.append(last)
     return sorted(plans, key=lambda p: (not p.fits, not allow_changes and bool(p.changes),
                                         p.cost()))
+
+
+def not_searched() -> list[str]:
+    """The technique options that no estimate traces (their class says `estimable = False`:
+    compile's): plan cannot weigh them, and says so."""
+    return [f"{group}={name}" for group in registry.techniques()
+            for target in registry.targets(group) if not target.estimable
+            for name in registry.options_of(group, target)]
 
 
 def command(fixed: list[str], plan_: Plan) -> str:

@@ -129,7 +129,12 @@ class FirstForward:
     """Hooks for a run's first forward pass, removed after it: embedding lookups in range, then
     the no-op check over `changed` ({group: {module name: module}})."""
 
-    def __init__(self, model: nn.Module, changed: dict[str, Mapping[str, nn.Module]]):
+    def __init__(self, model: nn.Module, changed: dict[str, Mapping[str, nn.Module]],
+                 lookups: bool = True):
+        """`lookups=False` leaves the embedding checks out: in a compiled model they would run
+        inside the traced region, where reading the indices (`.item()`) breaks the graph at
+        every embedding for good (dynamo does not guard on hooks, so the breaks outlive them);
+        Inductor checks indirect indices itself (`assert_indirect_indexing`)."""
         self.changed = {group: dict(modules) for group, modules in changed.items() if modules}
         self.ran: set[int] = set()
         # The first forward pass's tensors, weakly: a pass that fails (out of memory) must not
@@ -138,7 +143,7 @@ class FirstForward:
         self.handles = [model.register_forward_pre_hook(self._capture, with_kwargs=True)]
         self.handles += [module.register_forward_pre_hook(self._mark)
                          for modules in self.changed.values() for module in modules.values()]
-        self.handles += watch_lookups(model, self._alive_inputs)
+        self.handles += watch_lookups(model, self._alive_inputs) if lookups else []
         self.handles.append(model.register_forward_hook(self._verify))
 
     def _capture(self, model: nn.Module, args, kwargs) -> None:

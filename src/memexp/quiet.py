@@ -1,9 +1,11 @@
-"""Third-party import noise that a memexp user cannot act on, dropped while the import runs."""
+"""Third-party noise that a memexp user cannot act on, dropped while the call that makes it runs."""
 
 from __future__ import annotations
 
 import logging
+import os
 import re
+import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -38,3 +40,20 @@ def quiet_torchao_import() -> Iterator[None]:
     finally:
         for name, keep in filters.items():
             logging.getLogger(name).removeFilter(keep)
+
+
+@contextmanager
+def c_stderr_dropped() -> Iterator[None]:
+    """Drop what C++ code writes to the process's stderr meanwhile: kineto prints a
+    `USDT: ... profiler_start` (and `profiler_stop`) line whenever torch's profiler starts or
+    stops, whatever KINETO_LOG_LEVEL says. Only for calls that print nothing a user needs."""
+    sys.stderr.flush()
+    kept = os.dup(2)
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(kept, 2)
+        os.close(kept)
+        os.close(null)

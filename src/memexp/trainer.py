@@ -158,7 +158,9 @@ class Trainer:
         self.bn_mode = build(cfg.bn_mode)
         self.parallel = build(cfg.parallel)
         self.optim = build(cfg.optim)
-        check_combination(self.precision, self.optim, self.parallel, self.bn_mode, self.device,
+        self.compile = build(cfg.compile)
+        check_combination(self.precision, self.optim, self.parallel, self.bn_mode,
+                          self.checkpointing, self.compile, self.device,
                           cfg.trainer.checkpoint_every)
 
         model = build_model(cfg.model) if model is None else model
@@ -181,7 +183,12 @@ class Trainer:
         model = self.precision.apply(model.to(self.device))
         # 3. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
-        # 4. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
+        # 4. Compile traces the model as precision and checkpointing left it (cast parameters;
+        #    autocast and checkpointing=budget are read when the first forward pass compiles),
+        #    and goes inside the parallel wrapper: DDP's gradient hooks stay eager around the
+        #    compiled model (FSDP2 is refused: memexp.techniques.compile).
+        model = self.compile.apply(model)
+        # 5. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.
         self.model = self.parallel.apply(model, self.precision.autocast_dtype)
         # Read at every step's end (their gradients) and the run's (their values): the same
@@ -195,18 +202,19 @@ class Trainer:
         for group, summary in self.blocks.items():
             log.info("%s: blocks %s x%d", group, summary["class"], summary["count"])
         self.first_forward = FirstForward(model, {group: option.changed
-                                                  for group, option in self._changing()})
-        # 5. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
+                                                  for group, option in self._changing()},
+                                          lookups=not self.compile.compiles)
+        # 6. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
         #    FSDP's CPU offload keeps the (sharded) parameters in host memory.
         self.meter = MemoryMeter(
             self.device, track=cfg.memory.track, budget=memory_budget(cfg.memory),
             snapshot_to=snapshot_folder(cfg.memory, run_dir),
             snapshot_entries=cfg.memory.snapshot_max_entries,
             warmup_steps=cfg.trainer.warmup_steps, allocator=allocator,
-            measure_steps=cfg.memory.measure_steps)
+            measure_steps=cfg.memory.measure_steps, compiled=self.compile.compiles)
         with self.parallel.offloaded():
             self.meter.watch(self.parallel.watched(self.model))
-        # 6. The optimizer last, over the parameters as they now are (or their master copies);
+        # 7. The optimizer last, over the parameters as they now are (or their master copies);
         #    zero1 shards its state across ranks.
         self.optimizer = self.parallel.optimizer(self.optim,
                                                  self.precision.parameters(self.model))

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from memexp.memory.allocator import CachingAllocatorModel
+from memexp.memory.profiled import AllocatorPeaks, AllocatorProfile
 from memexp.memory.timeline import Timeline
 from memexp.memory.tracker import IDLE, LiveStorageTracker, tensor_storages
 
@@ -165,17 +166,26 @@ class MemoryMeter:
     by an error: CUDA's allocator history (for pytorch.org/memory_viz), or on CPU a timeline of
     live bytes by category; at most `snapshot_entries` events are kept. `allocator` (estimates
     for CUDA) counts each storage as the caching allocator's block for it.
+
+    A `compiled` model (compile=default|reduce-overhead) runs without the tracker, whose dispatch
+    mode would make dynamo run it eagerly, and which would not see Inductor's buffers: its totals
+    come from the allocator's own accounting, CUDA's counters or the CPU allocator's profiled
+    events (memexp.memory.profiled), with no breakdown by category.
     """
 
     def __init__(self, device: torch.device, track: bool = True, budget: int | None = None,
                  snapshot_to: Path | None = None, snapshot_entries: int = 100_000,
                  warmup_steps: int = 3, allocator: CachingAllocatorModel | None = None,
-                 measure_steps: int | None = None):
+                 measure_steps: int | None = None, compiled: bool = False):
         self.device = device
         cuda = device.type == "cuda"
         if not (track or cuda) and (budget or snapshot_to):
             raise ValueError("memory.budget and memory.snapshot on CPU need memory.track=true: "
                              "the live-storage tracker is what counts the bytes")
+        if compiled and not cuda and (budget or snapshot_to):
+            raise ValueError("memory.budget and memory.snapshot on CPU need the live-storage "
+                             "tracker, and a compiled model runs without it (its dispatch mode "
+                             "would run the model eagerly). Use compile=none with them")
         if measure_steps is not None and measure_steps < 1:
             raise ValueError(f"memory.measure_steps={measure_steps}: must be >= 1, or null to "
                              "measure every step")
@@ -184,7 +194,9 @@ class MemoryMeter:
         # On a CPU run every tensor is device memory: no per-op device check is needed.
         self.tracker = (LiveStorageTracker(self._roles, None if cuda else budget, timeline,
                                            allocator, device.type if cuda else None)
-                        if track else None)
+                        if track and not compiled else None)
+        self.profile = (AllocatorProfile(self._start_bytes) if track and compiled and not cuda
+                        else None)
         # An estimate for CUDA counts with its allocator model: a fake device has no counters.
         self.counters = CudaCounters(device) if cuda and allocator is None else None
         if budget is not None and cuda:
@@ -244,6 +256,10 @@ class MemoryMeter:
                 # Python frames only: full C++ stacks have taken minutes to symbolize at dump time.
                 torch.cuda.memory._record_memory_history(
                     "all", context="all", stacks="python", max_entries=self.snapshot_entries)
+        if self.profile is not None:
+            self._active.callback(self.pause)
+            self._tracking = ExitStack()
+            self._tracking.enter_context(self.profile)
         if self.tracker is not None:
             self._active.callback(self.pause)
             self._tracking = ExitStack()
@@ -331,13 +347,15 @@ class MemoryMeter:
         """After each optimizer step: what stays alive between steps, for leak detection, over
         the steps before a baseline ran beside the run (the steps after them would not follow
         on from those)."""
+        if self.profile is not None and self.tracking:
+            self.profile.step()
         live = self.live_bytes()
         if live is not None and not (self.counters is not None and self.counters.ever_stopped):
             self.live_after_steps.append(live)
 
     def phase(self, name: str) -> AbstractContextManager:
         """Mark a phase of the step; a shared null context when nothing is measured."""
-        if self.tracker is None and self.counters is None:
+        if self.tracker is None and self.counters is None and self.profile is None:
             return _NOTHING
         return _Phase(self, name)
 
@@ -345,7 +363,10 @@ class MemoryMeter:
         if name != IDLE:
             self.last_phase = name
         if self._tracking is not None:
-            self.tracker.enter(name)
+            if self.profile is not None:
+                self.profile.mark(name)
+            else:
+                self.tracker.enter(name)
         if self.counters is not None:
             self.counters.switch(name)
 
@@ -363,6 +384,12 @@ class MemoryMeter:
             yield from group["params"]
         for state in self._optimizer.state.values():
             yield from (v for v in state.values() if isinstance(v, torch.Tensor))
+
+    def _start_bytes(self) -> int:
+        """The bytes of the model's and the optimizer's storages, each once."""
+        storages = {id(s): s.nbytes() for t in (*self._model_tensors(), *self._optimizer_tensors())
+                    for s in tensor_storages(t)}
+        return sum(storages.values())
 
     def _roles(self) -> dict[int, str]:
         """Every storage the model and the optimizer hold now, by role (the tracker keeps each
@@ -395,14 +422,16 @@ class MemoryMeter:
         for a baseline, whose bytes they would hold)."""
         if self.counters is not None:
             return None if self.counters.stopped else torch.cuda.memory_allocated(self.device)
-        return self.tracker.current if self.tracking else None
+        # The CPU allocator's profile is read when it stops.
+        return self.tracker.current if self.tracking and self.tracker is not None else None
 
     # -- report ------------------------------------------------------------------------------
     def report(self) -> dict:
         """The `memory` section of result.json."""
         report: dict = {
             "device": str(self.device),
-            "source": "cuda-counters" if self.counters is not None else "storage-tracker",
+            "source": ("cuda-counters" if self.counters is not None else
+                       "cpu-allocator" if self.profile is not None else "storage-tracker"),
             "tracked": self.tracker is not None,
             "peak_bytes": None,
             "peak_phase": None,
@@ -417,12 +446,17 @@ class MemoryMeter:
             report["saved_activations_bytes"] = self.tracker.saved_activations
             report["grads_peak_bytes"] = self.tracker.grads_peak
             report["offloaded_peak_bytes"] = self.tracker.host_peak
+        live_after_steps = self.live_after_steps
         if self.counters is not None:
             report.update(self.counters.report())
             peaks = dict(self.counters.peaks)
+        elif self.profile is not None:
+            measured = self.profile.result or AllocatorPeaks()  # never entered: no steps
+            report["saved_activations_bytes"] = measured.saved_activations
+            peaks, live_after_steps = dict(measured.peaks), measured.live_after_steps
         else:
             peaks = {name: p.peak_bytes for name, p in tracked.items()}
-        report["leak"] = find_leak(self.live_after_steps, self.warmup_steps)
+        report["leak"] = find_leak(live_after_steps, self.warmup_steps)
         if not peaks:
             return report
         for name in PHASES:

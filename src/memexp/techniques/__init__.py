@@ -32,6 +32,7 @@ from typing import ClassVar
 import torch
 from torch import nn
 
+from memexp import registry
 from memexp.models.blocks import Blocks
 
 
@@ -61,10 +62,17 @@ class Technique:
     # the arguments `memexp plan` tries the class with, each matched against its options' YAML
     # (memexp.registry.planned): () none of them, ({},) every one
     planned: ClassVar[tuple[Mapping[str, object], ...]] = ()
+    # whether it works only under torch.compile (checkpointing=budget), and whether it works
+    # under it at all: dynamo must trace what it does to the forward pass (check_combination)
+    needs_compile: ClassVar[bool] = False
+    compiles_with: ClassVar[bool] = True
+    # whether memexp estimate can trace it (plan searches only what it can estimate, and lists
+    # the rest as not searched)
+    estimable: ClassVar[bool] = True
 
 
-def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
-                      checkpoint_every: int = 0) -> None:
+def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile,
+                      device: torch.device, checkpoint_every: int = 0) -> None:
     """Refuse, before anything is built, the combinations that cannot work. Every rule reads
     the options' capability attributes (`needs_all_grads`, `in_backward`, `distributed`, ...),
     so what works with what is stated on the classes and checked here only."""
@@ -101,11 +109,38 @@ def check_combination(precision, optim, parallel, bn_mode, device: torch.device,
             f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
             f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
         )
+    check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:
         raise ValueError(
             "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
             "replicated runs are not supported yet. Use trainer.checkpoint_every=0, or "
             "parallel=none.")
+
+
+def check_compile(compile, checkpointing, parallel) -> None:
+    """The compile group's rules (memexp.techniques.compile): what needs it, and what it cannot
+    trace."""
+    name = "|".join(registry.options_of("checkpointing", type(checkpointing)))
+    if checkpointing.needs_compile and not compile.compiles:
+        raise ValueError(
+            f"checkpointing={name}: the activation memory budget is a setting of torch.compile's "
+            "partitioner, and compile=none runs eager autograd, which it does not change. Use "
+            "compile=default (or reduce-overhead) with it, or another checkpointing option.")
+    if not compile.compiles:
+        return
+    if not checkpointing.compiles_with:
+        raise ValueError(
+            f"compile=default|reduce-overhead with checkpointing={name}: its wrappers run Python "
+            "around every recomputation or saved tensor (BatchNorm statistics kept, the meter "
+            "told, host copies), which dynamo does not trace: those blocks would fall back to "
+            "eager, unmeasured as compiled. Use checkpointing=budget (compile's own "
+            "recomputation) or none.")
+    if not parallel.compiles_with:
+        raise ValueError(
+            "compile=default|reduce-overhead with parallel=fsdp: FSDP2's per-unit hooks would cut "
+            "the whole-model graph at every block; a compiled FSDP model is compiled block by "
+            "block before fully_shard (as torchtitan does), which memexp does not build yet. "
+            "Use parallel=ddp, zero1 or none, or compile=none.")
 
 
 def check_estimable(parallel_class: type, world_size: int) -> None:

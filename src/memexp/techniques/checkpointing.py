@@ -144,6 +144,7 @@ class CheckpointBlocks(Technique):
     every: int = 1
     blocks: list[str] = ("auto",)
     cost_rank = 2  # recomputes whole blocks
+    compiles_with = False  # Checkpointed's context (check_combination)
     planned = ({"every": 1},)  # full; selective saves less than full for the same kind of cost
     changes_math = None  # recomputed as first computed (its RNG state, BatchNorm's statistics)
 
@@ -237,6 +238,7 @@ class CheckpointOps(Technique):
     alternate: list[str] = TORCHTITAN_ALTERNATE
     blocks: list[str] = ("auto",)
     cost_rank = 1  # recomputes the cheap ops only: tried before whole blocks
+    compiles_with = False  # Checkpointed's context, as CheckpointBlocks
     planned = ({},)
     changes_math = None  # recomputed as first computed; the saved outputs are the same tensors
 
@@ -262,6 +264,7 @@ class CheckpointModules(Technique):
 
     modules: list[str]
     cost_rank = 2
+    compiles_with = False
     changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -288,6 +291,7 @@ class CheckpointSequential(Technique):
     segments: int = 2
     blocks: list[str] = ("auto",)
     cost_rank = 2
+    compiles_with = False
     changes_math = None
 
     def apply(self, model: nn.Module) -> nn.Module:
@@ -333,6 +337,7 @@ class OffloadActivations(Technique):
     pin_memory: bool = True
     blocks: list[str] | None = None
     cost_rank = 3  # moves bytes to the host and back
+    compiles_with = False  # saved-tensor hooks
     planned = ({},)
     changes_math = None  # brought back as they were
 
@@ -368,3 +373,32 @@ class OffloadActivations(Technique):
         device, host = packed
         # copy=True: on a CPU run too, backward gets a device copy, as it would on a GPU.
         return host.to(device, non_blocking=self._pin, copy=True)
+
+
+@dataclass
+class MemoryBudget(Technique):
+    """torch.compile's activation memory budget (`torch._functorch.config.
+    activation_memory_budget`): AOTAutograd's partitioner keeps at most `budget` of the bytes it
+    would otherwise save for backward, choosing what to recompute by a knapsack over the ops'
+    runtime; 1 recomputes nothing beyond compile's own choice, 0 as much as it can. Measured
+    peaks need not fall monotonically with it (pytorch/pytorch#197838). Needs compile: the
+    budget means nothing to eager autograd."""
+
+    budget: float = 0.5
+    needs_compile = True
+    estimable = False  # as compile
+    cost_rank = 1  # recomputes
+    changes_math = None  # recomputed as first computed
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.budget <= 1:
+            raise ValueError(f"checkpointing.budget={self.budget}: must be from 0 to 1")
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        return model
+
+    def context(self) -> AbstractContextManager:
+        # Scoped to this run's forward passes, where dynamo compiles and AOTAutograd partitions
+        # (the backward graph is cut out of the joint graph then): another run in the process,
+        # or the next model compiled, keeps torch's default.
+        return torch._functorch.config.patch(activation_memory_budget=self.budget)

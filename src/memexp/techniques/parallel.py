@@ -264,6 +264,7 @@ class FSDP(_OnProcessGroup):
     fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
 
     cost_rank = 3  # every block's parameters gathered in forward and again in backward
+    compiles_with = False  # see memexp.techniques.compile
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)
