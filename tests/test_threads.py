@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 
-from memexp.timing import free_cores, own_cpu_seconds, process_cpu_seconds
+from memexp import timing
 
 from conftest import REPO, compose_train, train
 
@@ -37,8 +37,9 @@ def test_trainer_threads_below_one_is_refused():
 def test_a_process_cpu_time_is_read_from_proc():
     sum(i * i for i in range(300_000))  # some CPU time of this process's own
     # /proc counts in clock ticks (0.01 s), os.times in finer steps
-    assert process_cpu_seconds(os.getpid()) == pytest.approx(own_cpu_seconds(), abs=0.05)
-    threads, busy = free_cores(0.1, [os.getpid()])
+    assert timing.process_cpu_seconds(os.getpid()) == pytest.approx(timing.own_cpu_seconds(),
+                                                                 abs=0.05)
+    threads, busy = timing.free_cores(0.1, [os.getpid()])
     assert 1 <= threads <= len(os.sched_getaffinity(0)) and 0 <= busy <= os.cpu_count()
 
 
