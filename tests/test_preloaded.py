@@ -46,7 +46,10 @@ def wait_forever(pid_file: str) -> None:
 
 @pytest.fixture
 def executor(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # this module, in the jobs
+    # this module, in the jobs; then the caller's own PYTHONPATH (a checkout's src/ ahead of an
+    # installed memexp, as in the sweeps of test_sweep.py)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, (str(Path(__file__).parent), os.environ.get("PYTHONPATH")))))
     monkeypatch.chdir(tmp_path)
     local = submitit.LocalExecutor(folder=tmp_path / "submitit", python=PRELOADED_JOB_PYTHON)
     local.update_parameters(timeout_min=10)
