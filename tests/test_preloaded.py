@@ -34,7 +34,9 @@ def where_it_runs() -> dict:
     """Run as a job: what its process is, and what it found loaded."""
     parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().split(b"\0")
     return {"pid": os.getpid(), "parent": [a.decode() for a in parent if a],
-            "torch_loaded": "torch" in sys.modules, "threads": os.environ.get("OMP_NUM_THREADS")}
+            "torch_loaded": "torch" in sys.modules, "threads": os.environ.get("OMP_NUM_THREADS"),
+            # torch.optim's first optimizer imports it: the server does, for every job
+            "dynamo_loaded": "torch._dynamo" in sys.modules}
 
 
 def wait_forever(pid_file: str) -> None:
@@ -44,7 +46,10 @@ def wait_forever(pid_file: str) -> None:
 
 @pytest.fixture
 def executor(tmp_path, monkeypatch):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # this module, in the jobs
+    # this module, in the jobs; then the caller's own PYTHONPATH (a checkout's src/ ahead of an
+    # installed memexp, as in the sweeps of test_sweep.py)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, (str(Path(__file__).parent), os.environ.get("PYTHONPATH")))))
     monkeypatch.chdir(tmp_path)
     local = submitit.LocalExecutor(folder=tmp_path / "submitit", python=PRELOADED_JOB_PYTHON)
     local.update_parameters(timeout_min=10)
@@ -55,7 +60,7 @@ def test_a_job_is_forked_from_the_preloaded_server(executor):
     with contextlib.closing(PreloadedServer()):
         first, second = (executor.submit(where_it_runs).result() for _ in range(2))
     for job in (first, second):
-        assert "--serve" in job["parent"] and job["torch_loaded"]
+        assert "--serve" in job["parent"] and job["torch_loaded"] and job["dynamo_loaded"]
     assert first["pid"] != second["pid"]  # a process per job
     assert first["parent"] == second["parent"]  # from the same server
 

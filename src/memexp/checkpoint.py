@@ -27,12 +27,15 @@ FOLDER = "checkpoints"  # a run's checkpoints, in its run folder
 NAME = re.compile(r"step_(\d+)\.pt")
 
 # The keys a rerun may change and still resume: how long the run goes on, and how it reports
-# along the way. None of them changes what a step computes or what is measured. Everything
-# else (the model, data, optimizer and its hyperparameters, the techniques, seeds, the device,
-# trainer.warmup_steps and eval_every, memory.*) is the fingerprint. A key listed here covers
+# along the way; and trainer.threads, which changes only the order of a step's sums (a local
+# sweep picks it from the cores that other work leaves free: a rerun on a busier machine must
+# still resume). None of them changes what is measured. Everything else (the model, data,
+# optimizer and its hyperparameters, the techniques, seeds, the device, trainer.warmup_steps
+# and eval_every, memory.*) is the fingerprint. A key listed here covers
 # the keys under it.
 RUN_LENGTH_KEYS = ("trainer.max_steps", "trainer.checkpoint_every", "trainer.keep_checkpoints",
-                   "trainer.resume", "trainer.log_every", "trainer.progress", "logger", "report")
+                   "trainer.resume", "trainer.log_every", "trainer.progress", "trainer.threads",
+                   "logger", "report")
 
 
 class ResumeRefused(errors.Refused, ValueError):

@@ -62,6 +62,10 @@ class TrainerConfig:
     keep_checkpoints: int = 2
     # auto: a run whose folder has a checkpoint (a requeued or rerun job) continues from it
     resume: Resume = Resume.auto
+    # torch's intra-op threads; unset: torch's own choice (one per core, or OMP_NUM_THREADS). A
+    # local sweep sets it for its jobs from the cores other processes leave free at its start:
+    # a thread that shares its core with another process holds up every op (memexp_launcher)
+    threads: Optional[int] = None  # noqa: UP045 (OmegaConf needs Optional)
     # processes a plain `python train.py` starts on this machine (ranks of parallel=ddp|zero1|
     # fsdp); under torchrun or hydra.launcher.tasks_per_node leave it at 1
     nproc: int = 1

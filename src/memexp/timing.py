@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import statistics
+import time
 from dataclasses import dataclass
 
 # A run whose timed steps shared the machine with other processes taking more than this share of
@@ -83,6 +84,32 @@ class MachineLoad:
             return None
         busy, total = now[0] - self._ticks[0], now[1] - self._ticks[1]
         return max(0.0, busy - ours * os.sysconf("SC_CLK_TCK")) / total
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time process `pid` has used so far, all its threads (0 where /proc has none)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()  # after the name, which may hold spaces
+    except (OSError, IndexError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+
+
+def free_cores(sample_s: float, ours: list[int]) -> tuple[int, float] | None:
+    """(threads, busy): how many cores of this process's the machine's other processes leave
+    free, at least 1, and how many cores' worth they kept busy over the next `sample_s`
+    seconds; this process and the processes `ours` are not others. None where /proc/stat
+    cannot be read."""
+    load, before = MachineLoad(), sum(process_cpu_seconds(pid) for pid in ours)
+    load.start()
+    time.sleep(sample_s)
+    share = load.others_share(load.own_cpu()
+                              + sum(process_cpu_seconds(pid) for pid in ours) - before)
+    if share is None:
+        return None
+    busy = share * (os.cpu_count() or 1)
+    return max(1, min(len(os.sched_getaffinity(0)), round((os.cpu_count() or 1) - busy))), busy
 
 
 def step_ranges(steps: list[int]) -> list[list[int]]:

@@ -58,6 +58,9 @@ def validate(trainer: DictConfig) -> None:
     for key, least in minimum.items():
         if trainer[key] < least:
             raise ValueError(f"trainer.{key}={trainer[key]}: must be >= {least}")
+    if trainer.threads is not None and trainer.threads < 1:
+        raise ValueError(f"trainer.threads={trainer.threads}: must be >= 1 (or null: torch's "
+                         "own choice)")
     # torch.manual_seed's range (it takes a negative seed as its 64-bit two's complement)
     if not -2**63 <= trainer.seed < 2**64:
         raise ValueError(f"trainer.seed={abbreviated(str(trainer.seed))}: must be an integer "
@@ -142,6 +145,8 @@ class Trainer:
         if cfg.trainer.checkpoint_every and run_dir is None:
             raise ValueError("trainer.checkpoint_every needs a run folder to keep checkpoints in")
         self.checkpoints = run_dir / checkpoint.FOLDER if run_dir is not None else None
+        if cfg.trainer.threads is not None:
+            torch.set_num_threads(cfg.trainer.threads)
         self.device = pick_device(cfg.trainer.device)
         # CUDA runs kernels asynchronously: a step waits for its own, so that its time is its own
         # and not the next step's (an estimate's fake CUDA device runs nothing).

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import shlex
 import shutil
 import subprocess
@@ -360,14 +361,44 @@ class LocalLauncher(_SurvivingLauncher):
 
     def launch(self, job_overrides, initial_job_idx: int) -> list[JobReturn]:
         if not self.params["preload"]:
+            self._threads = self._job_threads([])
             return super().launch(job_overrides, initial_job_idx)
         # setup's server serves the first batch; a later batch (hydra.sweeper.max_batch_size)
         # starts its own. None is left on the launcher, which each job gets pickled.
         running, self._server = self._server or server.start_server(), None
         try:
+            # the server imports meanwhile: its CPU time is this sweep's, not another process's
+            self._threads = self._job_threads(
+                [running.pid] if isinstance(running, server.PreloadedServer) else [])
             return super().launch(job_overrides, initial_job_idx)
         finally:
             running.close()
+
+    def _job_threads(self, ours: list[int]) -> int | None:
+        """The intra-op threads of this batch's jobs that leave trainer.threads unset: one per
+        core that other processes leave free, from half a second of the machine's CPU time.
+        Each thread of an op waits for the others at its end, so one that shares its core with
+        another process holds up every op: `make run` with two busy processes on 2 cores took
+        7 times as long as idle with 2 threads; at load 30, one quick job took 0.28x the wall
+        time (0.24x the CPU time) with 1 thread that it took with 2. None where
+        OMP_NUM_THREADS or the config chose, or the machine's load cannot be read."""
+        from memexp.timing import free_cores
+
+        if "OMP_NUM_THREADS" in os.environ or self.config.trainer.threads is not None:
+            return None
+        found = free_cores(0.5, ours)
+        if found is None:
+            return None
+        threads, busy = found
+        log.info(f"torch threads per job: {threads} (other processes kept {busy:.1f} of "
+                 f"{os.cpu_count()} cores busy; trainer.threads=N sets it)")
+        return threads
+
+    def _job_config(self, overrides: list[str], number: int) -> DictConfig:
+        config = super()._job_config(overrides, number)
+        if self._threads is not None and config.trainer.threads is None:
+            config.trainer.threads = self._threads
+        return config
 
     def _executor(self, submitit):
         # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a
