@@ -198,11 +198,13 @@ def compose_train(*overrides: str) -> DictConfig:
 
 def job(run_dir: Path, *overrides: str) -> dict:
     """One run as train.py runs it (a resolved config, its folder held and checked first:
-    memexp.app.run_job), in this process."""
+    memexp.app.run_job), in this process; with trainer.nproc=N, its N ranks are spawned from
+    this process, as train.py spawns them (without train.py's own interpreter start)."""
     from memexp.app import Job, run_job
 
     config = OmegaConf.to_container(compose_train(*overrides), resolve=True, enum_to_str=True)
-    return run_job(Job(config, run_dir, {}, list(overrides), run_dir.name))
+    return run_job(Job(config, run_dir, {}, list(overrides), run_dir.name),
+                   config["trainer"]["nproc"])
 
 
 def run_train_py(tmp_path: Path, *overrides: str,

@@ -7,9 +7,10 @@ from __future__ import annotations
 import functools
 import itertools
 import json
+import os
 import shlex
-import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -28,7 +29,10 @@ from conftest import HF_BERT as BERT
 from conftest import (
     HF_DATA,
     REPO,
+    Background,
+    Ran,
     compose_train,
+    early,
     first_step_gradients,
     relative_error,
     step_memory,
@@ -354,21 +358,6 @@ def test_the_readmes_timm_commands_run(tmp_path, monkeypatch):
         assert len(built.fit(NoLogger()).losses) == 1
 
 
-def test_model_hf_builds_beside_timm_and_its_torchvision():
-    # The timm extra brings PyPI's torchvision, whose compiled ops do not load beside the CPU
-    # torch; transformers imports torchvision wherever it is installed, so this import failed
-    # (`operator torchvision::nms does not exist`). A new process: nothing imported before it.
-    code = ("from transformers import LlamaConfig\n"
-            "from memexp.estimate import compose_config\n"
-            "from memexp.build import build_model\n"
-            f"model = build_model(compose_config({list(LLAMA)!r}).model)\n"
-            "assert isinstance(model.config, LlamaConfig)\n"
-            "import timm, torchvision\n"
-            "timm.create_model('convnext_atto', num_classes=10)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-
-
 def test_hf_config_keys_stay_as_documented():
     """model=hf's keys, as other tools (the CUDA estimate shim) spell them."""
     cfg = compose_train("model=hf", "model.arch=gpt2", "model.task=causal_lm",
@@ -377,17 +366,45 @@ def test_hf_config_keys_stay_as_documented():
     assert cfg.data.task == "causal_lm" and cfg.loss.shift is True
 
 
-def test_a_hugging_face_model_builds_without_torchaos_import_noise():
+# Two imports in a new process (nothing imported before them), in one: a Hugging Face model
+# built with logging set up as a run's is, then beside timm and its torchvision.
+FRESH_PROCESS = f"""
+import logging, sys
+logging.basicConfig(level=logging.INFO)
+from memexp.estimate import compose_config
+from memexp.build import build_model
+build_model(compose_config({list(GPT2)!r}).model)
+print("-- built --", file=sys.stderr, flush=True)
+from transformers import LlamaConfig
+model = build_model(compose_config({list(LLAMA)!r}).model)
+assert isinstance(model.config, LlamaConfig)
+import timm, torchvision
+timm.create_model('convnext_atto', num_classes=10)
+"""
+
+
+@early()
+def fresh_process(folder: Path) -> Ran:
+    return Ran(folder, Background([sys.executable, "-c", FRESH_PROCESS], folder, dict(os.environ),
+                                  timeout=300))
+
+
+def test_a_hugging_face_model_builds_without_torchaos_import_noise(fresh_process):
     # transformers' modeling code imports torchao where it is installed (the lowbit extra is):
     # with logging set up as a run's is, its import warnings (CUDA libraries a CPU torch cannot
     # load, no Triton, torch's Enum deprecation) are not the user's to act on.
-    code = ("import logging; logging.basicConfig(level=logging.INFO)\n"
-            "from memexp.estimate import compose_config\n"
-            "from memexp.build import build_model\n"
-            f"build_model(compose_config({list(GPT2)!r}).model)\n")
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    _, done = fresh_process
+    assert "-- built --" in done.stderr, done.stderr
+    built = done.stderr.split("-- built --")[0]
+    assert "torchao" not in built and "register_constant" not in built, built
+
+
+def test_model_hf_builds_beside_timm_and_its_torchvision(fresh_process):
+    # The timm extra brings PyPI's torchvision, whose compiled ops do not load beside the CPU
+    # torch; transformers imports torchvision wherever it is installed, so this import failed
+    # (`operator torchvision::nms does not exist`).
+    _, done = fresh_process
     assert done.returncode == 0, done.stderr
-    assert "torchao" not in done.stderr and "register_constant" not in done.stderr, done.stderr
 
 
 # Encoder-decoders (model.task=seq2seq_lm), at unequal depths, and causal_lm refused where

@@ -4,9 +4,6 @@ memexp's own meter."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +14,7 @@ from memexp import cli
 from memexp.estimate import compose_config, describe, estimate
 from memexp.gpus import gpu
 
-from conftest import CPU_SMALL, REPO, needs_cuda_build
+from conftest import CPU_SMALL, job, needs_cuda_build
 
 SMALL_GPT = ("model=transformer", "model.d_model=64", "model.n_layers=2", "data.seq_len=32",
              "data.batch_size=4", "data.num_train=64", "data.num_eval=16", "trainer.max_steps=2",
@@ -31,13 +28,10 @@ UNEVEN_MLP = ("model=mlp", "model.hidden=32", "model.depth=2", "data.image_size=
 
 
 def real_ranks(tmp_path: Path, *overrides: str) -> list[dict]:
-    """Each rank's memory report from `python train.py trainer.nproc=2`."""
-    done = subprocess.run(
-        [sys.executable, str(REPO / "train.py"), f"hydra.run.dir={tmp_path / 'run'}",
-         "trainer.nproc=2", *CPU_SMALL, *overrides, "parallel.timeout_s=60"],
-        capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return json.loads((tmp_path / "run" / "result.json").read_text())["memory"]["per_rank"]
+    """Each rank's memory report from a run with trainer.nproc=2 (conftest.job: its 2 ranks
+    spawned from this process, as train.py spawns them)."""
+    done = job(tmp_path / "run", "trainer.nproc=2", *overrides, "parallel.timeout_s=60")
+    return done["memory"]["per_rank"]
 
 
 @pytest.mark.slow

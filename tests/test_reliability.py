@@ -27,6 +27,7 @@ from memexp.trainer import NonFiniteLoss, Trainer
 
 from chaos import holding
 from conftest import (
+    CPU_SMALL,
     REPO,
     compose_train,
     freeze,
@@ -197,9 +198,8 @@ def test_a_checkpoint_that_does_not_load_is_refused_and_the_record_kept(tmp_path
 def test_a_rerun_refused_more_steps_is_not_reported_as_the_job(tmp_path):
     """train.py, and the report of its folder: the refused rerun leaves the 2-step record, which
     must not stand as the 4-step job's (its overrides differ only in trainer.max_steps)."""
-    settings = (*TINY, "trainer.checkpoint_every=2", "trainer.device=cpu",
-                "trainer.progress=false")
-    assert run_train_py(tmp_path, *settings, "trainer.max_steps=2").returncode == 0
+    settings = (*TINY, "trainer.checkpoint_every=2", *CPU_SMALL)
+    job(tmp_path / "run", *settings, "trainer.max_steps=2")  # in this process: train.py's record
     newest = tmp_path / "run" / "checkpoints" / "step_00000002.pt"
     add_a_metric_of_another_version(newest)
     refused = run_train_py(tmp_path, *settings, "trainer.max_steps=4")

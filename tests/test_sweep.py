@@ -25,7 +25,17 @@ from omegaconf import OmegaConf
 from memexp import cli
 from memexp.result import GROUPS, mib
 
-from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, default_sigint, early
+from conftest import (
+    CPU_SMALL,
+    REPO,
+    TRAIN_PY_ENV,
+    Background,
+    Ran,
+    Together,
+    default_sigint,
+    early,
+)
+from conftest import job as run_in_process
 from wandb_records import summary as wandb_summary
 
 pytestmark = pytest.mark.slow
@@ -440,8 +450,9 @@ def test_a_sweep_job_refused_before_it_ran_is_not_shown_as_its_earlier_record(tm
     writes nothing: the folder's ok record is the earlier run's, and the sweep's line for the
     job must say that, not `ok`."""
     sweep_dir = tmp_path / "sweep"
-    settings = (*TINY, "trainer.max_steps=1", "trainer.checkpoint_every=1", "logger=none")
-    assert sweep(sweep_dir, *settings, "optim=sgd").returncode == 0
+    settings = (*TINY, "trainer.max_steps=1", "trainer.checkpoint_every=1", "logger=none",
+                *CPU_SMALL)
+    run_in_process(sweep_dir / "0", *settings, "optim=sgd")  # the earlier run: its record
     done = sweep(sweep_dir, *settings, "optim=adam")
     assert done.returncode != 0
     line = next(line for line in ended_lines(done) if "[1/1] job #0" in line)

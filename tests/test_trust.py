@@ -19,10 +19,9 @@ import pytest
 import torch
 from hydra import compose, initialize_config_dir
 from hydra._internal.callbacks import Callbacks
-from omegaconf import OmegaConf
 
 from memexp import checkpoint, cli
-from memexp.app import Job, run_config, run_job
+from memexp.app import run_config
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.data import cifar10, mnist
@@ -35,6 +34,7 @@ from conftest import (
     TRAIN_PY_ENV,
     compose_train,
     fill,
+    job,
     run_train_py,
     small_filesystem,
     start_train_py,
@@ -55,12 +55,6 @@ ENDLESS = (*TINY, "trainer.max_steps=1000000", "trainer.device=cpu", "trainer.pr
 @pytest.fixture(autouse=True)
 def chaos_importable(monkeypatch):
     monkeypatch.syspath_prepend(str(Path(__file__).parent))
-
-
-def job(run_dir: Path, *overrides: str) -> dict:
-    """One run as train.py runs it (a resolved config, its folder held), in this process."""
-    config = OmegaConf.to_container(compose_train(*overrides), resolve=True, enum_to_str=True)
-    return run_job(Job(config, run_dir, {}, list(overrides), run_dir.name))
 
 
 def attempt(run_dir: Path, *overrides: str) -> dict:
@@ -134,8 +128,8 @@ def test_a_finished_run_is_kept_not_measured_again(tmp_path):
 def test_a_refused_rerun_in_a_sweep_folder_is_not_reported_as_ok(tmp_path):
     """The refused job leaves the earlier record; Hydra's .hydra/overrides.yaml names the job
     that was launched, and the report does not pass the old record off as it."""
-    settings = (*RESUMABLE, "trainer.device=cpu", "trainer.progress=false")
-    assert run_train_py(tmp_path, *settings).returncode == 0
+    settings = (*RESUMABLE, *CPU_SMALL)
+    job(tmp_path / "run", *settings)  # the earlier run, in this process: train.py's own record
     refused = run_train_py(tmp_path, *settings, "optim=adam")
     assert refused.returncode == 1 and "was written by another config" in refused.stderr
     assert "Traceback" not in refused.stderr
