@@ -11,6 +11,7 @@ from test_estimate import LLAMA
 
 from memexp.data.tensors import IGNORE
 from memexp.linear_cross_entropy import linear_cross_entropy
+from memexp.loss import ChunkedCrossEntropy, Kernel
 from memexp.plan import loss_options
 from memexp.trainer import Trainer
 
@@ -115,6 +116,8 @@ def test_liger_on_a_cpu_says_why_and_runs_the_torch_kernel(caplog):
     assert "loss.impl=liger unavailable (" in caplog.text
     assert "using loss.impl=torch" in caplog.text
     assert trainer.loss.kernel.value == "torch"
+    # as train.py builds it, from a resolved config: the value, not the enum
+    assert ChunkedCrossEntropy(impl="liger").impl is Kernel.liger
     assert "loss=chunked_ce: output head head (Linear 32 -> 64, bias False)" in caplog.text
 
 

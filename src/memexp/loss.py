@@ -326,6 +326,8 @@ class ChunkedCrossEntropy(Technique):
     head: Head | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
+        # a run's resolved config (memexp.app) gives the enum as its value
+        self.impl = Kernel(self.impl)
         if self.chunk_tokens < 1:
             raise ValueError(f"loss.chunk_tokens={self.chunk_tokens}: must be >= 1")
 
