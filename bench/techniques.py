@@ -22,6 +22,10 @@ against the reference row's, in place of the gradient-peak and optimizer columns
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker).
 
+compile=default and checkpointing=budget have their rows in bench/compile_budget.py: a compiled
+model is measured by the CPU allocator's count, which has no activation peak or breakdown for
+these tables.
+
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
                                [--rounds 5] [--estimate] [--rows NAME ...]
 """
