@@ -19,10 +19,11 @@ what the peak holds beyond parameters and gradients, and the first 3 per-step lo
 reference row's, in place of the gradient-peak and optimizer columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
-predicts (two steps and an evaluation, the live-storage tracker).
+predicts (two steps and an evaluation, the live-storage tracker). With --adapters, only LoRA and
+QLoRA against full fine-tuning (AdamW), by category at the peak (adapter_table).
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
-                               [--rounds 5] [--estimate]
+                               [--rounds 5] [--estimate] [--adapters]
 """
 
 from __future__ import annotations
@@ -171,7 +172,27 @@ def hf_rows(model: str) -> list[Row]:
         accumulated = accumulation_row(model)
         rows += [unpadded, Row(f"{accumulated.name}, data.padding=0",
                                (*accumulated.overrides, "data.padding=0"), ref=unpadded.name)]
+        # Other parameters train (the adapters, not the weights): no gradient to compare.
+        rows += [Row("adapter=lora", ("adapter=lora",), ref=None),
+                 Row("adapter=qlora", ("adapter=qlora",), ref=None)]
     return rows
+
+
+# The adapter table's rows, against full fine-tuning with AdamW (what LoRA saves is gradients
+# and optimizer state, which plain SGD has little of); dropout > 0 keeps a dropped-out copy of
+# each adapted layer's input (peft#1514, #2196), checkpointing recomputes it.
+ADAPTER_ROWS = [
+    Row("full fine-tuning (adamw)", ()),
+    Row("adapter=lora", ("adapter=lora",), ref=None),
+    Row("adapter=lora dropout=0.1", ("adapter=lora", "adapter.dropout=0.1"), ref=None),
+    Row("adapter=qlora", ("adapter=qlora",), ref=None),
+    Row("adapter=qlora dropout=0.1", ("adapter=qlora", "adapter.dropout=0.1"), ref=None),
+    Row("full fine-tuning, checkpointing=full", ("checkpointing=full",)),
+    Row("adapter=lora, checkpointing=full", ("adapter=lora", "checkpointing=full"), ref=None),
+    Row("adapter=lora dropout=0.1, checkpointing=full",
+        ("adapter=lora", "adapter.dropout=0.1", "checkpointing=full"), ref=None),
+]
+ADAPTER_CATEGORIES = ("params", "frozen", "grads", "optimizer", "activations", "other")
 
 
 def rows_for(model: str) -> list[Row]:
@@ -211,7 +232,11 @@ def compose_row(model: str, row: Row, *extra: str):
 
 
 def memory_of(model: str, row: Row) -> dict:
-    trainer = Trainer(compose_row(model, row))
+    return two_steps(Trainer(compose_row(model, row)))
+
+
+def two_steps(trainer: Trainer) -> dict:
+    """The meter's report over two training steps."""
     batches = trainer.data.train_batches()
     trainer.model.train()
     with trainer.meter:
@@ -328,6 +353,36 @@ def hf_table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
+def adapter_table(model: str, rounds: int) -> str:
+    """LoRA and QLoRA against full fine-tuning, all with AdamW: the breakdown at the peak (the
+    frozen weights apart), the saved activations, the trainable parameters and the time."""
+    rows = [Row(row.name, (*row.overrides, "optim=adamw"), row.ref) for row in ADAPTER_ROWS]
+    memory, trainable = {}, {}
+    for row in rows:
+        trainer = Trainer(compose_row(model, row))
+        trainable[row.name] = sum(p.numel() for p in trainer.model.parameters()
+                                  if p.requires_grad)
+        memory[row.name] = two_steps(trainer)
+    times = step_times(model, rows, rounds)
+    base = rows[0].name
+    lines = [f"| {model}: adapter, adamw | peak MiB | x full | "
+             + " | ".join(ADAPTER_CATEGORIES) + " | saved activations MiB | trainable params"
+             " | step time x full |", "|---" * (6 + len(ADAPTER_CATEGORIES)) + "|"]
+    for row in rows:
+        m = memory[row.name]
+        at_peak = m["breakdown_at_peak"]
+        lines.append(
+            f"| {row.name} | {m['peak_bytes'] / MIB:.2f} | "
+            f"{m['peak_bytes'] / memory[base]['peak_bytes']:.2f} | "
+            + " | ".join(f"{at_peak[c] / MIB:.2f}" for c in ADAPTER_CATEGORIES)
+            + f" | {m['saved_activations_bytes'] / MIB:.2f} ({m['saved_activations_bytes']:,} B)"
+            f" | {trainable[row.name]:,} | {times[row.name] / times[base]:.2f} |")
+    lines.append(f"\nfull fine-tuning step time {times[base] * 1e3:.0f} ms (median of {rounds}); "
+                 f"no gradient error: the adapters train other parameters than full fine-tuning; "
+                 f"overrides: {' '.join(MODELS[model])} optim=adamw")
+    return "\n".join(lines)
+
+
 def estimate_table(model: str) -> str:
     """Each HF row's estimate against a real run of what it traces: the first two steps and
     an evaluation (of 16 samples)."""
@@ -381,11 +436,16 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--estimate", action="store_true",
                         help="the HF rows' estimates against real runs")
+    parser.add_argument("--adapters", action="store_true",
+                        help="only the adapter table (LoRA, QLoRA against full fine-tuning)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
+        if args.adapters:
+            print(adapter_table(model, args.rounds))
+            continue
         # The HF and timm models (those in NO_DROPOUT) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))
         if args.estimate and model in NO_DROPOUT:

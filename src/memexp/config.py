@@ -131,6 +131,7 @@ class TrainConfig:
     checkpointing: Any = MISSING
     parallel: Any = MISSING
     bn_mode: Any = MISSING
+    adapter: Any = MISSING
     loss: Any = MISSING
     logger: Any = MISSING
 

@@ -1,9 +1,10 @@
 """`memexp plan budget=24GiB <overrides>`: which technique combinations fit, and what each costs.
 
-The search space is precision x optim x bn_mode ("what is computed") times checkpointing x
-accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
-syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
-optim, the configured optimizer and the `lighter` classes its class names). For every "what is
+The search space is precision x optim x bn_mode x adapter ("what is computed") times
+checkpointing x accumulation ("how much is kept"). Each group's candidates come from the command
+line (sweep syntax: `precision=fp32,bf16`) or else from the classes (their `planned`,
+memexp.registry; for optim, the configured optimizer and the `lighter` classes its class names;
+the adapters only where `adapter.target_modules=[auto]` finds layers to adapt). For every "what is
 computed" choice the planner walks the "how much is kept" choices from the cheapest (no
 recomputation, one micro-batch) up and keeps the first that fits: anything after it costs more
 for the same result.
@@ -52,10 +53,11 @@ from memexp.estimate import Estimate, compose_config, estimate
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
+from memexp.techniques.adapter import AUTO, resolve_targets
 from memexp.techniques.parallel import NoParallel
 
 # The searched groups: what is computed, then how much is kept.
-COMPUTED = ("precision", "optim", "bn_mode")
+COMPUTED = ("precision", "optim", "bn_mode", "adapter")
 KEPT = ("checkpointing", "parallel", "optim.accumulate")
 ACCUMULATE = ["1", "2", "4"]  # the micro-batches a step is tried in
 
@@ -110,6 +112,8 @@ def search_space(cfg: DictConfig, optim: str, searched: dict[str, list[str]],
             space[group] = ACCUMULATE
         elif group == "bn_mode" and not has_batch_norm(cfg):
             space[group] = [registry.baseline_option("bn_mode")]
+        elif group == "adapter" and not adaptable(cfg):
+            space[group] = [registry.baseline_option("adapter")]
         else:
             space[group] = registry.planned(group)
     return space
@@ -128,10 +132,22 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def adaptable(cfg: DictConfig) -> bool:
+    """Whether adapter.target_modules=[auto] finds layers to adapt in the model (attention and
+    MLP projections): elsewhere the adapters are not tried."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    try:
+        resolve_targets(model, [AUTO])
+    except ValueError:
+        return False
+    return True
+
+
 def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, dict]:
     """Each searched option of the technique groups, built: the option objects alone, no model.
     One compose (a second each on 2 busy cores) builds the n-th option of every group."""
-    groups = ("precision", "optim", "bn_mode", "checkpointing", "parallel")
+    groups = ("precision", "optim", "bn_mode", "adapter", "checkpointing", "parallel")
     built: dict[str, dict] = {group: {} for group in groups}
     for options in itertools.zip_longest(*(space[group] for group in groups)):
         chosen = {group: option for group, option in zip(groups, options, strict=True) if option}
@@ -184,7 +200,7 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     batch = base.data.batch_size
     space = search_space(base, group_choice(fixed, "optim"), searched, world_size)
     computed_options = list(itertools.product(space["precision"], space["optim"],
-                                              space["bn_mode"]))
+                                              space["bn_mode"], space["adapter"]))
     chosen = built_options(fixed, space)
     batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say);
@@ -200,10 +216,12 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
          f"candidates{ranks} against {budget} per rank, each until one fits:")
     baseline_flops: dict[tuple, int] = {}
     plans = []
-    for precision, optim, bn_mode in computed_options:
-        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}"]
+    for precision, optim, bn_mode, adapter in computed_options:
+        computed = [f"precision={precision}", f"optim={optim}", f"bn_mode={bn_mode}",
+                    f"adapter={adapter}"]
         changes = {option: math_changes(chosen, {"precision": precision, "optim": optim,
-                                                 "bn_mode": bn_mode, "checkpointing": option[0]},
+                                                 "bn_mode": bn_mode, "adapter": adapter,
+                                                 "checkpointing": option[0]},
                                         option[2], batch_norm)
                    for option in kept_options}
         last = None
@@ -217,7 +235,7 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
                 overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
             result = estimate(cfg, target, gpu)
-            key = (precision, optim, bn_mode, accumulate)
+            key = (precision, optim, bn_mode, adapter, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
             if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
                 baseline_flops[key] = train_flops

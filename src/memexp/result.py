@@ -27,7 +27,8 @@ from memexp.models.hf import load_warnings
 
 # the technique groups, as the root config lists them (memexp.registry)
 GROUPS = registry.techniques()
-CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "other", "offloaded")
+CATEGORY_ORDER = ("params", "frozen", "grads", "optimizer", "activations", "other", "offloaded")
+DEVICE_CATEGORIES = CATEGORY_ORDER[:-1]  # those in the device's peak: all but the offloaded
 
 
 def category_color(category: str) -> str:

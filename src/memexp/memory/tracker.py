@@ -24,7 +24,7 @@ from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.timeline import Timeline
 
 # Live storages are grouped into these categories when a peak is recorded.
-CATEGORIES = ("params", "grads", "optimizer", "activations", "other")
+CATEGORIES = ("params", "frozen", "grads", "optimizer", "activations", "other")
 # Storages created while `host_resident()` is active (offloaded activations, CPU-offloaded
 # parameters) are host memory: reported in their own category and kept out of the device peak.
 OFFLOADED = "offloaded"
@@ -70,7 +70,7 @@ def recomputing():
 
 # Which role wins when a storage is named twice (a master copy is an optimizer tensor, but its
 # gradient is a gradient): the order in which MemoryMeter's roles are assigned.
-ROLE_RANK = {"params": 0, "grads": 1, "optimizer": 2}
+ROLE_RANK = {"params": 0, "frozen": 0, "grads": 1, "optimizer": 2}
 
 
 class _Ref(weakref.ref):

@@ -76,6 +76,7 @@ class NoParallel(Technique):
     rank = 0
     world_size = 1
     distributed = False
+    shards_parameters = False
     estimable = True
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
 
@@ -121,6 +122,7 @@ class _OnProcessGroup(Technique):
 
     timeout_s: float = 120.0
     distributed = True
+    shards_parameters = False  # each rank holds whole parameters (FSDP shards them)
     # on torch's fake process group (memexp.estimate_parallel), one rank at a time
     estimable = True
     planned = ({},)  # memexp plan --world-size N tries each, as its YAML has it
@@ -255,6 +257,7 @@ class FSDP(_OnProcessGroup):
     fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
 
     cost_rank = 3  # every block's parameters gathered in forward and again in backward
+    shards_parameters = True
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)
