@@ -20,7 +20,8 @@ reference row's, in place of the gradient-peak and optimizer columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker). With --adapters, only LoRA and
-QLoRA against full fine-tuning (AdamW), by category at the peak (adapter_table).
+QLoRA against full fine-tuning (AdamW), by category at the peak (adapter_table); with both,
+their estimates against real runs.
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
                                [--rounds 5] [--estimate] [--adapters]
@@ -383,12 +384,12 @@ def adapter_table(model: str, rounds: int) -> str:
     return "\n".join(lines)
 
 
-def estimate_table(model: str) -> str:
-    """Each HF row's estimate against a real run of what it traces: the first two steps and
-    an evaluation (of 16 samples)."""
+def estimate_table(model: str, rows: list[Row] | None = None) -> str:
+    """Each HF row's estimate (or each of `rows`') against a real run of what it traces: the
+    first two steps and an evaluation (of 16 samples)."""
     lines = [f"| {model}: technique | estimate MiB | measured MiB | estimate / measured |",
              "|---|---:|---:|---:|"]
-    for row in hf_rows(model):
+    for row in hf_rows(model) if rows is None else rows:
         cfg = first_steps(compose_row(model, row, "data.num_eval=16",
                                       *ESTIMATE_EXTRA.get(model, ())))
         predicted = estimate(cfg).memory["peak_bytes"]
@@ -444,7 +445,8 @@ def main() -> None:
     for model in MODELS if args.model == "all" else [args.model]:
         print()
         if args.adapters:
-            print(adapter_table(model, args.rounds))
+            print(adapter_table(model, args.rounds) if not args.estimate else estimate_table(
+                model, [Row(row.name, (*row.overrides, "optim=adamw")) for row in ADAPTER_ROWS]))
             continue
         # The HF and timm models (those in NO_DROPOUT) have tables of their own.
         print((hf_table if model in NO_DROPOUT else table)(model, args.rounds))

@@ -21,13 +21,15 @@ SRC = REPO / "src"
 
 
 def test_the_lists_of_groups_and_options_are_read_from_the_classes():
-    assert GROUPS == ("precision", "checkpointing", "optim", "parallel", "bn_mode")
-    assert BASELINE_GROUPS == ("precision", "checkpointing", "bn_mode")  # `baseline = True`
+    assert GROUPS == ("precision", "checkpointing", "optim", "parallel", "bn_mode", "adapter")
+    # `baseline = True`
+    assert BASELINE_GROUPS == ("precision", "checkpointing", "bn_mode", "adapter")
     assert {group: registry.planned(group) for group in ("precision", "checkpointing",
-                                                         "bn_mode")} == {
+                                                         "bn_mode", "adapter")} == {
         "precision": ["fp32", "amp", "bf16", "bf16_pure"],
         "checkpointing": ["none", "full", "offload"],
-        "bn_mode": ["train", "efficient_eval"]}
+        "bn_mode": ["train", "efficient_eval"],
+        "adapter": ["none", "lora", "qlora"]}
     assert [name for lighter in Adam.lighter
             for name in registry.options_of("optim", lighter)] == ["adafactor", "adamw_8bit"]
 
