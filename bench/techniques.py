@@ -20,14 +20,16 @@ gradients (by category: activations, the loss's own, other), and the first 3 per
 against the reference row's, in place of the gradient-peak and optimizer columns.
 
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
-predicts (two steps and an evaluation, the live-storage tracker).
+predicts (two steps and an evaluation, the live-storage tracker). With --adapters, only LoRA and
+QLoRA against full fine-tuning (AdamW), by category at the peak (adapter_table); with both,
+their estimates against real runs.
 
 compile=default and checkpointing=budget have their rows in bench/compile_budget.py: a compiled
 model is measured by the CPU allocator's count, which has no activation peak or breakdown for
 these tables.
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
-                               [--rounds 5] [--estimate] [--rows NAME ...]
+                               [--rounds 5] [--estimate] [--rows NAME ...] [--adapters]
 """
 
 from __future__ import annotations
@@ -179,7 +181,27 @@ def hf_rows(model: str) -> list[Row]:
         accumulated = accumulation_row(model)
         rows += [unpadded, Row(f"{accumulated.name}, data.padding=0",
                                (*accumulated.overrides, "data.padding=0"), ref=unpadded.name)]
+        # Other parameters train (the adapters, not the weights): no gradient to compare.
+        rows += [Row("adapter=lora", ("adapter=lora",), ref=None),
+                 Row("adapter=qlora", ("adapter=qlora",), ref=None)]
     return rows
+
+
+# The adapter table's rows, against full fine-tuning with AdamW (what LoRA saves is gradients
+# and optimizer state, which plain SGD has little of); dropout > 0 keeps a dropped-out copy of
+# each adapted layer's input (peft#1514, #2196), checkpointing recomputes it.
+ADAPTER_ROWS = [
+    Row("full fine-tuning (adamw)", ()),
+    Row("adapter=lora", ("adapter=lora",), ref=None),
+    Row("adapter=lora dropout=0.1", ("adapter=lora", "adapter.dropout=0.1"), ref=None),
+    Row("adapter=qlora", ("adapter=qlora",), ref=None),
+    Row("adapter=qlora dropout=0.1", ("adapter=qlora", "adapter.dropout=0.1"), ref=None),
+    Row("full fine-tuning, checkpointing=full", ("checkpointing=full",)),
+    Row("adapter=lora, checkpointing=full", ("adapter=lora", "checkpointing=full"), ref=None),
+    Row("adapter=lora dropout=0.1, checkpointing=full",
+        ("adapter=lora", "adapter.dropout=0.1", "checkpointing=full"), ref=None),
+]
+ADAPTER_CATEGORIES = ("params", "frozen", "grads", "optimizer", "activations", "other")
 
 
 def rows_for(model: str) -> list[Row]:
@@ -220,7 +242,11 @@ def compose_row(model: str, row: Row, *extra: str):
 
 
 def memory_of(model: str, row: Row) -> dict:
-    trainer = Trainer(compose_row(model, row))
+    return two_steps(Trainer(compose_row(model, row)))
+
+
+def two_steps(trainer: Trainer) -> dict:
+    """The meter's report over two training steps."""
     batches = trainer.data.train_batches()
     trainer.model.train()
     with trainer.meter:
@@ -348,12 +374,43 @@ def hf_table(model: str, rounds: int, only: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def estimate_table(model: str, only: list[str] | None = None) -> str:
-    """Each HF row's estimate against a real run of what it traces: the first two steps and
-    an evaluation (of 16 samples)."""
+def adapter_table(model: str, rounds: int) -> str:
+    """LoRA and QLoRA against full fine-tuning, all with AdamW: the breakdown at the peak (the
+    frozen weights apart), the saved activations, the trainable parameters and the time."""
+    rows = [Row(row.name, (*row.overrides, "optim=adamw"), row.ref) for row in ADAPTER_ROWS]
+    memory, trainable = {}, {}
+    for row in rows:
+        trainer = Trainer(compose_row(model, row))
+        trainable[row.name] = sum(p.numel() for p in trainer.model.parameters()
+                                  if p.requires_grad)
+        memory[row.name] = two_steps(trainer)
+    times = step_times(model, rows, rounds)
+    base = rows[0].name
+    lines = [f"| {model}: adapter, adamw | peak MiB | x full | "
+             + " | ".join(ADAPTER_CATEGORIES) + " | saved activations MiB | trainable params"
+             " | step time x full |", "|---" * (6 + len(ADAPTER_CATEGORIES)) + "|"]
+    for row in rows:
+        m = memory[row.name]
+        at_peak = m["breakdown_at_peak"]
+        lines.append(
+            f"| {row.name} | {m['peak_bytes'] / MIB:.2f} | "
+            f"{m['peak_bytes'] / memory[base]['peak_bytes']:.2f} | "
+            + " | ".join(f"{at_peak[c] / MIB:.2f}" for c in ADAPTER_CATEGORIES)
+            + f" | {m['saved_activations_bytes'] / MIB:.2f} ({m['saved_activations_bytes']:,} B)"
+            f" | {trainable[row.name]:,} | {times[row.name] / times[base]:.2f} |")
+    lines.append(f"\nfull fine-tuning step time {times[base] * 1e3:.0f} ms (median of {rounds}); "
+                 f"no gradient error: the adapters train other parameters than full fine-tuning; "
+                 f"overrides: {' '.join(MODELS[model])} optim=adamw")
+    return "\n".join(lines)
+
+
+def estimate_table(model: str, only: list[str] | None = None,
+                   rows: list[Row] | None = None) -> str:
+    """Each HF row's estimate (or each of `rows`', or those `only` names) against a real run of
+    what it traces: the first two steps and an evaluation (of 16 samples)."""
     lines = [f"| {model}: technique | estimate MiB | measured MiB | estimate / measured |",
              "|---|---:|---:|---:|"]
-    for row in chosen_rows(hf_rows(model), only):
+    for row in chosen_rows(hf_rows(model), only) if rows is None else rows:
         cfg = first_steps(compose_row(model, row, "data.num_eval=16",
                                       *ESTIMATE_EXTRA.get(model, ())))
         predicted = estimate(cfg).memory["peak_bytes"]
@@ -404,11 +461,18 @@ def main() -> None:
     parser.add_argument("--rows", nargs="+", metavar="NAME",
                         help="only the HF rows whose names hold one of these (and the rows "
                              "they are compared with), e.g. --rows loss=chunked_ce")
+    parser.add_argument("--adapters", action="store_true",
+                        help="only the adapter table (LoRA, QLoRA against full fine-tuning)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
     for model in MODELS if args.model == "all" else [args.model]:
         print()
+        if args.adapters:
+            print(adapter_table(model, args.rounds) if not args.estimate else estimate_table(
+                model, rows=[Row(row.name, (*row.overrides, "optim=adamw"))
+                             for row in ADAPTER_ROWS]))
+            continue
         # The HF and timm models (those in NO_DROPOUT) have tables of their own.
         print(hf_table(model, args.rounds, args.rows) if model in NO_DROPOUT
               else table(model, args.rounds))

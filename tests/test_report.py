@@ -42,7 +42,7 @@ def test_pareto_front_keeps_what_nothing_beats():
 
 def chosen_techniques(**techniques: str) -> dict[str, str]:
     return {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
-            "bn_mode": "train", **techniques}
+            "bn_mode": "train", "adapter": "none", **techniques}
 
 
 def config_of(chosen: dict[str, str]) -> dict:

@@ -136,6 +136,7 @@ class TrainConfig:
     compile: Any = MISSING
     parallel: Any = MISSING
     bn_mode: Any = MISSING
+    adapter: Any = MISSING
     loss: Any = MISSING
     logger: Any = MISSING
 

@@ -109,7 +109,10 @@ class _Values(TorchDispatchMode):
         super().__init__()
         self.fake = fake
         self.making_batches = False
-        # the fake tensors drawn at random (by id, held weakly): see _drawn_at_random
+        # the storages of fake tensors drawn at random (by id, held weakly): see
+        # _drawn_at_random. Their storages, not the tensors: torch refuses to swap a module's
+        # parameter (`.to()`) while a weak reference to it exists, and peft moves its adapters,
+        # drawn at random by their initialiser, onto their layer's device.
         self.random = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -125,12 +128,12 @@ class _Values(TorchDispatchMode):
             if self._drawn_at_random(func, args, kwargs):
                 for made in arg_tree_leaves(out):
                     if isinstance(made, FakeTensor):
-                        self.random[made] = True
+                        self.random[made.untyped_storage()] = True
             return out
         except DataDependentOutputException as error:
             if func not in _SCALAR_READS:  # aten.equal: a Python value from two tensors
                 raise ValueError(value_dependent(error.func, "what it returns")) from error
-            if args[0] in self.random:
+            if args[0].untyped_storage() in self.random:
                 raise ValueError(random_branch(error.func)) from error
             return True if args[0].dtype == torch.bool else 0
         except DynamicOutputShapeException as error:
@@ -153,8 +156,8 @@ class _Values(TorchDispatchMode):
         if torch.Tag.nondeterministic_seeded in func.tags:
             if func._schema.is_mutable and args:  # the tensor it fills: its values are replaced
                 inputs = [t for t in inputs if t is not args[0]]
-            return all(t in self.random for t in inputs)
-        return bool(inputs) and all(t in self.random for t in inputs)
+            return all(t.untyped_storage() in self.random for t in inputs)
+        return bool(inputs) and all(t.untyped_storage() in self.random for t in inputs)
 
     def _on_real_data(self, args, kwargs) -> bool:
         leaves = arg_tree_leaves(*args, **kwargs)

@@ -1,9 +1,10 @@
 """`memexp plan budget=24GiB <overrides>`: which technique combinations fit, and what each costs.
 
-The search space is precision x optim x bn_mode x loss ("what is computed") times checkpointing x
-accumulation ("how much is kept"). Each group's candidates come from the command line (sweep
-syntax: `precision=fp32,bf16`) or else from the classes (their `planned`, memexp.registry; for
-optim, the configured optimizer and the `lighter` classes its class names; for the loss, the
+The search space is precision x optim x bn_mode x adapter x loss ("what is computed") times
+checkpointing x accumulation ("how much is kept"). Each group's candidates come from the command
+line (sweep syntax: `precision=fp32,bf16`) or else from the classes (their `planned`,
+memexp.registry; for optim, the configured optimizer and the `lighter` classes its class names;
+the adapters only where `adapter.target_modules=[auto]` finds layers to adapt; for the loss, the
 user's and the planned ones that compute the same on the model: loss=chunked_ce in place of a
 cross-entropy, where it finds the head). For every "what is computed" choice the planner walks
 the "how much is kept" choices from the cheapest (no recomputation, one micro-batch) up and
@@ -60,10 +61,11 @@ from memexp.loss import as_loss
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
+from memexp.techniques.adapter import AUTO, resolve_targets
 from memexp.techniques.parallel import NoParallel
 
 # The searched groups: what is computed, then how much is kept.
-COMPUTED = ("precision", "optim", "bn_mode")
+COMPUTED = ("precision", "optim", "bn_mode", "adapter")
 KEPT = ("checkpointing", "parallel", "optim.accumulate")
 # The loss, where another computes the same with less memory (chunked_ce for a cross-entropy).
 LOSS = "loss"
@@ -147,6 +149,9 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
         elif group == "bn_mode" and not has_batch_norm(cfg):
             space[group] = [registry.baseline_option("bn_mode")]
             why = "the model has no BatchNorm"
+        elif group == "adapter" and not adaptable(cfg):
+            space[group] = [registry.baseline_option("adapter")]
+            why = "adapter.target_modules=[auto] finds no layers to adapt in the model"
         elif group == LOSS:
             space[group] = loss_options(list(overrides), choices[LOSS])
             why = ""
@@ -221,6 +226,18 @@ def has_batch_norm(cfg: DictConfig) -> bool:
     with torch.device("meta"):  # structure only: no memory, no time
         model = build_model(cfg.model)
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def adaptable(cfg: DictConfig) -> bool:
+    """Whether adapter.target_modules=[auto] finds layers to adapt in the model (attention and
+    MLP projections): elsewhere the adapters are not tried."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    try:
+        resolve_targets(model, [AUTO])
+    except ValueError:
+        return False
+    return True
 
 
 def built_options(fixed: list[str], space: dict[str, list[str]]) -> dict[str, dict]:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from textwrap import shorten
 
-from memexp.result import CATEGORY_ORDER, category_color, error_message
+from memexp.result import DEVICE_CATEGORIES, category_color, error_message
 from memexp.rows import MIB, UNCERTAIN, Row, pareto_front
 
 DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
@@ -155,7 +155,7 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     figure, axes = plt.subplots(figsize=(9, 0.5 * len(drawn) + 1.6), dpi=DPI)
     positions = range(len(drawn))
     left = [0.0] * len(drawn)
-    for category in CATEGORY_ORDER[:-1]:
+    for category in DEVICE_CATEGORIES:
         values = [(row.memory.get("breakdown_at_peak") or {}).get(category, 0) / MIB
                   for row in drawn]
         faded = [to_rgba(category_color(category), 1.0 if row.status == "ok" else 0.35)
@@ -178,7 +178,7 @@ def breakdown_chart(rows: list[Row], path: Path) -> Chart:
     axes.set_xlabel("memory at the job's peak (MiB)")
     axes.set_title(f"Memory at the peak, by category: sweep {path.parent.name}")
     categories = [Patch(color=category_color(category), label=category)  # unfaded
-                  for category in CATEGORY_ORDER[:-1]]
+                  for category in DEVICE_CATEGORIES]
     axes.legend(handles=categories, loc="upper left", bbox_to_anchor=(1.01, 1),
                 fontsize="small", title="category", title_fontsize="small")
     return save(figure, axes, path, labels, breakdown_notes(drawn, unknown))

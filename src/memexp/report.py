@@ -38,6 +38,7 @@ from memexp.memory.sizes import parse_size
 from memexp.plots import write_plots
 from memexp.result import (
     CATEGORY_ORDER,
+    DEVICE_CATEGORIES,
     GROUPS,
     HALF_ON_CPU,
     RECORD,
@@ -329,9 +330,9 @@ def ratio_notes(rows: list[Row]) -> list[str]:
 
 
 def markdown_table(rows: list[Row]) -> str:
-    lines = ["| job | config | status | peak MiB | params | grads | optimizer | activations | "
-             "loss | other | memory x base | step time x base | throughput | eval acc | "
-             "final loss |", "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns = ["job", "config", "status", "peak MiB", *DEVICE_CATEGORIES, "memory x base",
+               "step time x base", "throughput", "eval acc", "final loss"]
+    lines = [f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
     for row in rows:
         r = csv_record(row)
         mark = HALF_MARK if half_precision_on_cpu(row.result) else ""
@@ -341,7 +342,7 @@ def markdown_table(rows: list[Row]) -> str:
         lines.append(
             f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | "
             f"{fmt(r['peak_mib'], 1)} | "
-            + " | ".join(fmt(r[f"{c}_mib"], 1) for c in CATEGORY_ORDER[:-1])
+            + " | ".join(fmt(r[f"{c}_mib"], 1) for c in DEVICE_CATEGORIES)
             + f" | {fmt(r['memory_x_base'])} | {time_ratio_cell(row)}{mark} | {throughput} | "
             f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
     if any(half_precision_on_cpu(row.result) for row in rows):

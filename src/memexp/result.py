@@ -28,7 +28,9 @@ from memexp.models.hf import load_warnings
 # the technique groups, as the root config lists them (memexp.registry)
 GROUPS = registry.techniques()
 # offloaded last: every category before it is in the device's peak (the report's columns)
-CATEGORY_ORDER = ("params", "grads", "optimizer", "activations", "loss", "other", "offloaded")
+CATEGORY_ORDER = ("params", "frozen", "grads", "optimizer", "activations", "loss", "other",
+                  "offloaded")
+DEVICE_CATEGORIES = CATEGORY_ORDER[:-1]  # those in the device's peak: all but the offloaded
 
 
 def category_color(category: str) -> str:

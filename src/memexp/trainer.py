@@ -164,8 +164,9 @@ class Trainer:
         self.parallel = build(cfg.parallel)
         self.optim = build(cfg.optim)
         self.compile = build(cfg.compile)
+        self.adapter = build(cfg.adapter)
         check_combination(self.precision, self.optim, self.parallel, self.bn_mode,
-                          self.checkpointing, self.compile, self.device,
+                          self.checkpointing, self.compile, self.adapter, self.device,
                           cfg.trainer.checkpoint_every)
 
         model = build_model(cfg.model) if model is None else model
@@ -183,17 +184,22 @@ class Trainer:
         sample = map_batch(first, lambda tensor: tensor[:1])
         model = self.bn_mode.apply(model, functools.partial(
             call_model, batch=sample, passes_labels=self.loss.passes_labels))
-        # 2. Onto the device; precision casts parameters (pure half) before anything keeps a
+        # 2. The adapter (LoRA) while the layers are the model's own, before checkpointing and
+        #    parallel wrap them, and on the host: QLoRA's base weights reach the device already
+        #    in 4 bits (bitsandbytes quantises them as they move). Its adapters are then cast,
+        #    wrapped and sharded with the rest.
+        model = self.adapter.apply(model, self.device)
+        # 3. Onto the device; precision casts parameters (pure half) before anything keeps a
         #    reference to them, and learns the device type for autocast.
         model = self.precision.apply(model.to(self.device))
-        # 3. Checkpointing wraps blocks, which parallel wrappers then treat as units.
+        # 4. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
-        # 4. Compile traces the model as precision and checkpointing left it (cast parameters;
+        # 5. Compile traces the model as precision and checkpointing left it (cast parameters;
         #    autocast and checkpointing=budget are read when the first forward pass compiles),
         #    and goes inside the parallel wrapper: DDP's gradient hooks stay eager around the
         #    compiled model (FSDP2 is refused: memexp.techniques.compile).
         model = self.compile.apply(model)
-        # 5. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
+        # 6. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.
         self.model = self.parallel.apply(model, self.precision.autocast_dtype)
         # Read at every step's end (their gradients) and the run's (their values): the same
@@ -209,7 +215,7 @@ class Trainer:
         self.first_forward = FirstForward(model, {group: option.changed
                                                   for group, option in self._changing()},
                                           lookups=not self.compile.compiles)
-        # 6. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
+        # 7. The meter's gradient hooks before the optimizer's (optim.in_backward has its own).
         #    FSDP's CPU offload keeps the (sharded) parameters in host memory.
         self.meter = MemoryMeter(
             self.device, track=cfg.memory.track, budget=memory_budget(cfg.memory),
@@ -219,7 +225,7 @@ class Trainer:
             measure_steps=cfg.memory.measure_steps, compiled=self.compile.compiles)
         with self.parallel.offloaded():
             self.meter.watch(self.parallel.watched(self.model))
-        # 7. The optimizer last, over the parameters as they now are (or their master copies);
+        # 8. The optimizer last, over the parameters as they now are (or their master copies);
         #    zero1 shards its state across ranks.
         self.optimizer = self.parallel.optimizer(self.optim,
                                                  self.precision.parameters(self.model))
@@ -237,8 +243,8 @@ class Trainer:
 
     def _changing(self) -> list[tuple[str, object]]:
         """The options that may resolve blocks and change modules, by group."""
-        return [("bn_mode", self.bn_mode), ("checkpointing", self.checkpointing),
-                ("parallel", self.parallel)]
+        return [("bn_mode", self.bn_mode), ("adapter", self.adapter),
+                ("checkpointing", self.checkpointing), ("parallel", self.parallel)]
 
     def to_device(self, batch: Batch) -> Batch:
         batch = map_batch(batch, lambda t: t.to(self.device, non_blocking=True))
@@ -434,8 +440,10 @@ class Trainer:
     def check_weights(self) -> None:
         """A run is ok only if its final weights are finite: no step lets a NaN or infinite
         gradient reach them, but an update can still overflow. On every rank, which all raise
-        alike."""
-        local = [self.parallel.local(p) for p in self.parameters]
+        alike. Only the trained ones: frozen weights (adapter=lora, qlora's 4-bit ones) are
+        never updated."""
+        trained = [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+        local = [self.parallel.local(p) for _, p in trained]
         # One parameter at a time: after the meter's last phase CUDA's counters still count
         # (its idle phase), and a fused check's workspace grows with their number.
         found = torch.zeros((), dtype=torch.long, device=self.device)
@@ -443,8 +451,7 @@ class Trainer:
             found += non_finite([tensor], self.device)
         if not self.parallel.all_reduce_sum(found).item():
             return
-        names = [name for (name, _), tensor in zip(self.model.named_parameters(), local,
-                                                   strict=True)
+        names = [name for (name, _), tensor in zip(trained, local, strict=True)
                  if non_finite([tensor], self.device).item()]
         shown = ", ".join(names[:6]) + (f" and {len(names) - 6} more" if len(names) > 6 else "")
         raise NonFiniteLoss(

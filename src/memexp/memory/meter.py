@@ -4,6 +4,7 @@ Totals come from the device's own counters on CUDA and from the live-storage tra
 The category breakdown always comes from the tracker (the allocator knows sizes, not roles):
 
 - params:      parameters and buffers of the model
+- frozen:      parameters that do not train (adapter=lora's base weights): no grads, no state
 - grads:       `.grad` of those parameters
 - optimizer:   optimizer state, and fp32 master copies the optimizer updates instead of the model
 - activations: tensors created by the forward pass that are still alive (saved for backward)
@@ -403,6 +404,7 @@ class MemoryMeter:
 
         if self._model is not None:
             params = list(self._model.parameters())
+            assign((p for p in params if not p.requires_grad), "frozen")
             assign(params, "params")
             assign(self._model.buffers(), "params")
             assign((p.grad for p in params if p.grad is not None), "grads")

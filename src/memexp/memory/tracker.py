@@ -24,7 +24,7 @@ from memexp.memory.allocator import CachingAllocatorModel
 from memexp.memory.timeline import Timeline
 
 # Live storages are grouped into these categories when a peak is recorded.
-CATEGORIES = ("params", "grads", "optimizer", "activations", "loss", "other")
+CATEGORIES = ("params", "frozen", "grads", "optimizer", "activations", "loss", "other")
 # Storages created while `host_resident()` is active (offloaded activations, CPU-offloaded
 # parameters) are host memory: reported in their own category and kept out of the device peak.
 OFFLOADED = "offloaded"
@@ -109,7 +109,7 @@ def leave_loss() -> None:
 
 # Which role wins when a storage is named twice (a master copy is an optimizer tensor, but its
 # gradient is a gradient): the order in which MemoryMeter's roles are assigned.
-ROLE_RANK = {"params": 0, "grads": 1, "optimizer": 2}
+ROLE_RANK = {"params": 0, "frozen": 0, "grads": 1, "optimizer": 2}
 
 
 class _Ref(weakref.ref):

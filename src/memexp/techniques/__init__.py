@@ -71,7 +71,7 @@ class Technique:
     estimable: ClassVar[bool] = True
 
 
-def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile,
+def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile, adapter,
                       device: torch.device, checkpoint_every: int = 0) -> None:
     """Refuse, before anything is built, the combinations that cannot work. Every rule reads
     the options' capability attributes (`needs_all_grads`, `in_backward`, `distributed`, ...),
@@ -109,6 +109,13 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
             f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
             f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
         )
+    if adapter.quantized and parallel.shards_parameters:
+        raise ValueError(
+            "adapter=qlora with parallel=fsdp: FSDP2 shards each 4-bit weight's inner tensors "
+            "along their first dimension, which fails where a layer's NF4 scales do not divide "
+            "among the ranks (torchao: 'quantization_factor.numel() not divisible by 2' on a "
+            "small Llama). Use parallel=ddp or zero1 (the 4-bit base weights are small), or "
+            "adapter=lora.")
     check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:
         raise ValueError(

@@ -78,6 +78,7 @@ class NoParallel(Technique):
     rank = 0
     world_size = 1
     distributed = False
+    shards_parameters = False
     estimable = True
     not_traced_on_cuda = ""
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
@@ -124,6 +125,7 @@ class _OnProcessGroup(Technique):
 
     timeout_s: float = 120.0
     distributed = True
+    shards_parameters = False  # each rank holds whole parameters (FSDP shards them)
     # on torch's fake process group (memexp.estimate_parallel), one rank at a time
     estimable = True
     not_traced_on_cuda = ""
@@ -265,6 +267,7 @@ class FSDP(_OnProcessGroup):
 
     cost_rank = 3  # every block's parameters gathered in forward and again in backward
     compiles_with = False  # see memexp.techniques.compile
+    shards_parameters = True
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)

@@ -45,7 +45,8 @@ class Precision(Protocol):
     def cast_inputs(self, inputs: Tensor) -> Tensor: ...
 
     def parameters(self, model: nn.Module) -> Iterable[Tensor]:
-        """What the optimizer updates: the model's parameters, or fp32 master copies."""
+        """What the optimizer updates: the model's trained parameters, or fp32 master copies
+        of them."""
 
     def backward(self, loss: Tensor) -> None: ...
 
@@ -111,7 +112,7 @@ class FP32(Technique):
         return inputs
 
     def parameters(self, model: nn.Module) -> Iterable[Tensor]:
-        return model.parameters()
+        return trained(model)
 
     def backward(self, loss: Tensor) -> None:
         loss.backward()
@@ -187,7 +188,7 @@ class Autocast(Technique):
         return inputs
 
     def parameters(self, model: nn.Module) -> Iterable[Tensor]:
-        return model.parameters()
+        return trained(model)
 
     def backward(self, loss: Tensor) -> None:
         self._scaler.scale(loss).backward()
@@ -203,6 +204,12 @@ class Autocast(Technique):
 
     def load_state_dict(self, state: dict) -> None:
         self._scaler.load_state_dict(state["scaler"])
+
+
+def trained(model: nn.Module) -> list[Tensor]:
+    """The parameters that train: frozen ones (adapter=lora's base weights) get no gradient,
+    and parallel=zero1 would broadcast them after every step for nothing."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 @dataclass
@@ -244,7 +251,7 @@ class Pure(Technique):
 
     def parameters(self, model: nn.Module) -> Iterable[Tensor]:
         if not self.master_weights:
-            return model.parameters()
+            return trained(model)
         self._pairs = [(p, p.detach().float()) for p in model.parameters() if p.requires_grad]
         return [master for _, master in self._pairs]
 
