@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 	# torch first and pinned: an unpinned torch pulls several GB of CUDA packages. Pinned again
 	# beside the extras: for timm's newest torchvision, pip would trade it for 2.14.1's CUDA build.
 	$(PY) -m pip install --quiet torch==2.13.0
-	$(PY) -m pip install --quiet -e '.[dev,lowbit,timm]' torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev,lowbit,timm,lora]' torch==2.13.0
 	touch $@
 
 install: $(STAMP) ## create .venv (torch==2.13.0 first) and install memexp into it
