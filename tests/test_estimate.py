@@ -332,6 +332,11 @@ def test_plan_ranks_what_changes_what_is_learned_after_what_keeps_it(capsys):
     assert "checkpointing=none optim.accumulate=2" in shown[4]
     assert shown[5] == ("      changes what is learned: optim.accumulate=2: "
                         f"{TrainBN.accumulation_changes_math}")
+    # ... and ends with the space it covered
+    block = shown[shown.index("search space covered:"):]
+    assert ("  checkpointing: tried none, full; left out modules, offload, selective, "
+            "selective_ops, sequential (not in the command line's list)") in block
+    assert block[-1].startswith("  not searched, the run's own")
 
 
 def test_plan_lists_what_fits_cheapest_first_and_its_commands_run(capsys, tmp_path, monkeypatch):

@@ -114,10 +114,10 @@ def computed_groups() -> tuple[str, ...]:
 
 def split_arguments(arguments: list[str]) -> tuple[list[str], dict[str, list[str]]]:
     """The fixed overrides, and the searched groups given in sweep syntax (a,b,c)."""
-    fixed, searched = [], {}
+    fixed, searched, groups = [], {}, (*computed_groups(), *KEPT)
     for argument in arguments:
         key, _, value = argument.partition("=")
-        if key in (*computed_groups(), *KEPT):
+        if key in groups:
             searched[key] = value.split(",")
         else:
             fixed.append(argument)
