@@ -33,6 +33,9 @@ class Parallel(Protocol):
     world_size: int
     # Runs on a process group whose hooks reduce or shard the gradients (ddp, fsdp, zero1).
     distributed: bool
+    # The model's parameters are whole tensors outside its forward, as a loss that applies
+    # them itself needs (chunked_ce); fsdp's are this rank's shards, gathered only inside it.
+    whole_params: bool
     # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
     # memexp plan tries the options from the cheapest (the least communicated) up
@@ -76,6 +79,7 @@ class NoParallel(Technique):
     rank = 0
     world_size = 1
     distributed = False
+    whole_params = True
     estimable = True
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
 
@@ -121,6 +125,7 @@ class _OnProcessGroup(Technique):
 
     timeout_s: float = 120.0
     distributed = True
+    whole_params = True  # ddp and zero1 replicate them (fsdp shards them)
     # on torch's fake process group (memexp.estimate_parallel), one rank at a time
     estimable = True
     planned = ({},)  # memexp plan --world-size N tries each, as its YAML has it
@@ -255,6 +260,10 @@ class FSDP(_OnProcessGroup):
     fp32 (MixedPrecisionPolicy); normalization layers stay fp32."""
 
     cost_rank = 3  # every block's parameters gathered in forward and again in backward
+    # DTensor shards outside forward: a loss that applies the head itself would mix them with
+    # its plain activations (torch: "got mixed torch.Tensor and DTensor"), and its gradient
+    # would bypass fsdp's reduce-scatter (memexp.techniques.check_loss_combination)
+    whole_params = False
     reshard_after_forward: bool = True
     cpu_offload: bool = False
     blocks: list[str] = ("auto",)
