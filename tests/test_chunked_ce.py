@@ -11,7 +11,7 @@ from test_estimate import LLAMA
 
 from memexp.data.tensors import IGNORE
 from memexp.linear_cross_entropy import linear_cross_entropy
-from memexp.loss import ChunkedCrossEntropy, Kernel
+from memexp.loss import ChunkedCrossEntropy, Kernel, kernel_on
 from memexp.plan import loss_options
 from memexp.trainer import Trainer
 
@@ -120,6 +120,28 @@ def test_liger_on_a_cpu_says_why_and_runs_the_torch_kernel(caplog):
     assert ChunkedCrossEntropy(impl="liger").impl is Kernel.liger
     assert "loss=chunked_ce: output head head (Linear 32 -> 64, bias False)" in caplog.text
 
+
+
+# Devices as objects only: the reasons come before any package is looked for or GPU touched.
+@pytest.mark.parametrize("kernel, device, dtype, says", [
+    (Kernel.liger, "cpu", torch.float32, "need a CUDA device, and this run is on cpu"),
+    (Kernel.cce, "cpu", torch.bfloat16, "need a CUDA device, and this run is on cpu"),
+    (Kernel.cce, "cuda", torch.float32, "take bf16 or fp16, and the head's matmul is "
+                                        "torch.float32: precision=amp|bf16")])
+def test_a_kernel_that_cannot_run_says_why_and_the_torch_kernel_runs(kernel, device, dtype,
+                                                                     says):
+    used, why = kernel_on(kernel, torch.device(device), dtype)
+    assert used is Kernel.torch
+    assert says in why
+    assert kernel_on(Kernel.torch, torch.device(device), dtype) == (Kernel.torch, None)
+
+
+def test_fsdp_is_refused_naming_why():
+    """fsdp's parameters are DTensor shards outside forward, where chunked_ce applies the head:
+    2 ranks on gloo failed with "aten.mm.default got mixed torch.Tensor and DTensor"."""
+    with pytest.raises(ValueError, match="loss=chunked_ce applies the model's output head "
+                                         "itself.*parallel=fsdp holds"):
+        Trainer(compose_train(*TRANSFORMER, "loss=chunked_ce", "parallel=fsdp"))
 
 @pytest.mark.parametrize("model, loss, tried", [
     (GPT2, "model", ["model", "chunked_ce"]), (TRANSFORMER, "cross_entropy",

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
-from memexp.linear_cross_entropy import chunked_argmax, linear_cross_entropy
+from memexp.linear_cross_entropy import chunked_argmax, compute_dtype, linear_cross_entropy
 from memexp.models.head import Head, defer_head
 from memexp.reduction import REDUCTIONS, Reduction
 from memexp.techniques import Technique
@@ -85,6 +85,10 @@ class Loss(Protocol):
     # computes its loss from `outputs.logits` in its call (not the model, not from `raw`): the
     # meter counts what it allocates, and its backward down to the logits, as the loss's own
     reads_logits: bool
+    # applies the model's parameters itself, outside the model's forward (chunked_ce its head):
+    # a parallel option must leave them whole between forwards
+    # (memexp.techniques.check_loss_combination)
+    applies_params: bool
     key: str  # the option, as its errors name it
     # a sum over the batch's items, not a mean: the step's loss is its micro-batches' sum
     sums: bool
@@ -211,6 +215,7 @@ class CrossEntropy(Technique):
     shift: bool = False
     passes_labels = False
     reads_logits = True
+    applies_params = False
     key = "loss=cross_entropy"
     sums = False
 
@@ -242,6 +247,7 @@ class ModelLoss(Technique):
     shift: bool = False
     passes_labels = True
     reads_logits = False
+    applies_params = False
     key = "loss=model"
     reduction = Reduction.LABELS
 
@@ -286,16 +292,26 @@ class Kernel(str, enum.Enum):
 KERNEL_PACKAGES = {Kernel.liger: "liger_kernel", Kernel.cce: "cut_cross_entropy"}
 
 
-def kernel_on(wanted: Kernel, device: torch.device) -> tuple[Kernel, str | None]:
-    """The kernel a run on `device` uses for loss.impl=`wanted`, and why it is not the one
-    wanted, where it is not: liger's and cce's Triton kernels need CUDA and their package."""
+def kernel_on(wanted: Kernel, device: torch.device,
+              dtype: torch.dtype) -> tuple[Kernel, str | None]:
+    """The kernel a run on `device`, its head's matmul in `dtype` (autocast's where it is on),
+    uses for loss.impl=`wanted`, and why it is not the one wanted, where it is not: liger's and
+    cce's Triton kernels need CUDA and their package; cce's, bf16 or fp16 and an Ampere GPU."""
     if wanted is Kernel.torch:
         return wanted, None
+    if device.type != "cuda":
+        return Kernel.torch, f"its Triton kernels need a CUDA device, and this run is on {device}"
+    # cut_cross_entropy/cce_backward.py asserts bf16/fp16 (with triton < 3.2), and its README
+    # states its kernels for bf16/fp16 (apple/ml-cross-entropy at d42911f9b1a1)
+    if wanted is Kernel.cce and dtype not in (torch.bfloat16, torch.float16):
+        return Kernel.torch, (f"its kernels take bf16 or fp16, and the head's matmul is {dtype}: "
+                              "precision=amp|bf16|bf16_pure|fp16_pure runs it")
     package = KERNEL_PACKAGES[wanted]
     if importlib.util.find_spec(package) is None:
         return Kernel.torch, f"{package} is not installed"
-    if device.type != "cuda":
-        return Kernel.torch, f"its Triton kernels need a CUDA device, and this run is on {device}"
+    # cut_cross_entropy/cce.py raises on a GPU without bf16 (older than Ampere)
+    if wanted is Kernel.cce and not torch.cuda.is_bf16_supported():
+        return Kernel.torch, f"it needs an Ampere GPU or newer, and {device} is older"
     return wanted, None
 
 
@@ -314,6 +330,7 @@ class ChunkedCrossEntropy(Technique):
     impl: Kernel = Kernel.torch
     passes_labels = False
     reads_logits = True
+    applies_params = True
     key = "loss=chunked_ce"
     sums = False
     # `memexp plan` tries it in place of a cross-entropy, where the model has an output head
@@ -341,15 +358,34 @@ class ChunkedCrossEntropy(Technique):
             targets = F.pad(targets[..., 1:], (0, 1), value=IGNORE)
         hidden, targets = hidden.flatten(0, -2), targets.flatten()
         linear = self.head.linear
+        # Both libraries' calls compute what the torch kernel does: the mean over the targets
+        # that are not IGNORE (shifted above), fp32 sums of the weight's gradient, and the
+        # gradient scaled by the loss's own (an accumulated step's weight).
         if self.kernel is Kernel.liger:
+            # linkedin/Liger-Kernel, src/liger_kernel/transformers/functional.py at ead96b618e5c:
+            # (input, weight, target, bias=None, ce_weight=None, ignore_index=-100, ...,
+            # reduction="mean", ..., accum_dtype=None, ...) returns the loss alone unless
+            # z-loss, accuracy or predictions are asked for. accum_dtype=None would sum the
+            # weight's gradient in the weight's dtype (bf16 under precision=bf16_pure).
             from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
-            loss = liger_fused_linear_cross_entropy(hidden, linear.weight, targets, linear.bias)
-            return loss[0] if isinstance(loss, tuple) else loss
+            return liger_fused_linear_cross_entropy(
+                hidden, linear.weight, targets, linear.bias, ignore_index=IGNORE,
+                reduction="mean", accum_dtype=torch.float32)
         if self.kernel is Kernel.cce:
+            # apple/ml-cross-entropy, cut_cross_entropy/linear_cross_entropy.py at d42911f9b1a1:
+            # (e, c, targets, bias=None, ignore_index=-100, softcap=None, reduction="mean",
+            # shift=0, ..., filter_eps="auto", accum_e_fp32=False, accum_c_fp32=False, ...,
+            # impl="cce"); e (..., D) and targets (...) of one shape but the last. shift=0: the
+            # targets are shifted above (its shift=1 would drop the last position, the same
+            # loss). filter_eps=None: its default skips the gradient where the softmax is below
+            # eps, which is not cross_entropy's gradient. It casts to autocast's dtype itself.
             from cut_cross_entropy import linear_cross_entropy as cut_cross_entropy
 
-            return cut_cross_entropy(hidden, linear.weight, targets, bias=linear.bias)
+            return cut_cross_entropy(hidden, linear.weight, targets, bias=linear.bias,
+                                     ignore_index=IGNORE, reduction="mean", shift=0,
+                                     filter_eps=None, accum_e_fp32=True, accum_c_fp32=True,
+                                     impl="cce")
         return linear_cross_entropy(hidden, linear.weight, linear.bias, targets,
                                     self.chunk_tokens)
 
@@ -377,7 +413,7 @@ class ChunkedCrossEntropy(Technique):
                 f"{self.key}: the head's input {tuple(hidden.shape)} does not fit the batch's "
                 f"targets {tuple(targets.shape)}: it needs integer targets, one per position")
         check_classes(hidden, targets, self.key, self.head.linear.out_features)
-        self.kernel, why = kernel_on(self.impl, hidden.device)
+        self.kernel, why = kernel_on(self.impl, hidden.device, compute_dtype(hidden))
         if why is not None:
             log.info("%s: loss.impl=%s unavailable (%s): using loss.impl=torch", self.key,
                      self.impl.value, why)
@@ -390,6 +426,7 @@ class MSE(Technique):
 
     passes_labels = False
     reads_logits = True
+    applies_params = False
     key = "loss=mse"
     sums = False
 
@@ -418,6 +455,7 @@ class UserLoss:
     function: Callable[[Outputs, Batch], Tensor]
     passes_labels = False
     reads_logits = False
+    applies_params = False  # a function of the outputs and the batch
     sums = False  # unknown: taken for a mean, whose items are unknown too (equal weights)
 
     @property

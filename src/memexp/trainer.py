@@ -39,7 +39,7 @@ from memexp.out_of_memory import OutOfMemory, is_out_of_memory
 from memexp.paired import PairedBaseline, Unpaired
 from memexp.prechecks import FirstForward, check_loss, check_reached, check_signature
 from memexp.progress import progress_lines
-from memexp.techniques import check_combination
+from memexp.techniques import check_combination, check_loss_combination
 from memexp.timing import MachineLoad, step_timing
 
 log = logging.getLogger("memexp")
@@ -173,6 +173,7 @@ class Trainer:
         # After the model: loss=model weighs micro-batches as the model's own loss reduces its
         # batch (memexp.reduction.REDUCTIONS: a CTC head's mean or sum).
         self.loss = as_loss(build(cfg.loss), model)
+        check_loss_combination(self.loss, self.parallel)
         # What loading model.pretrained reported (memexp.models.hf), for the record; None
         # where no weights were loaded.
         self.model_load = LOADED.get(model)

@@ -150,6 +150,16 @@ def check_compile(compile, checkpointing, parallel) -> None:
             "Use parallel=ddp, zero1 or none, or compile=none.")
 
 
+def check_loss_combination(loss, parallel) -> None:
+    """check_combination's rules on the loss, which is built after the model (it may take over
+    the model's head: memexp.loss.as_loss), before the parallel option wraps the model."""
+    if loss.applies_params and parallel.shards_parameters:
+        raise ValueError(
+            f"{loss.key} applies the model's output head itself, outside the model's forward, "
+            "and parallel=fsdp holds the head's weight as this rank's shard there (gathered "
+            "only inside forward). Use parallel=ddp or zero1, or loss=cross_entropy with fsdp")
+
+
 def check_estimable(parallel_class: type, world_size: int) -> None:
     """memexp estimate traces one process, or one rank of `world_size` (memexp.estimate_parallel):
     read from the class, since building a parallel option joins a process group."""

@@ -33,6 +33,9 @@ class Parallel(Protocol):
     world_size: int
     # Runs on a process group whose hooks reduce or shard the gradients (ddp, fsdp, zero1).
     distributed: bool
+    # Each rank holds shards of the parameters, gathered only inside forward (fsdp); whole
+    # tensors elsewhere, as a loss that applies them itself (chunked_ce) and QLoRA need.
+    shards_parameters: bool
     # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
     # Why memexp estimate cannot trace it on CUDA's kernels ("": it can).
@@ -267,6 +270,10 @@ class FSDP(_OnProcessGroup):
 
     cost_rank = 3  # every block's parameters gathered in forward and again in backward
     compiles_with = False  # see memexp.techniques.compile
+    # DTensor shards outside forward: a loss that applies the head itself would mix them with
+    # its plain activations (torch: "got mixed torch.Tensor and DTensor"), and its gradient
+    # would bypass fsdp's reduce-scatter (memexp.techniques.check_loss_combination); QLoRA's
+    # NF4 weights do not shard (check_combination)
     shards_parameters = True
     reshard_after_forward: bool = True
     cpu_offload: bool = False
