@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
+from memexp.baseline import is_baseline
 from memexp.config import config_dir
 from memexp.memory.sizes import parse_size
 from memexp.report import (
@@ -42,7 +43,7 @@ def test_pareto_front_keeps_what_nothing_beats():
 
 def chosen_techniques(**techniques: str) -> dict[str, str]:
     return {"precision": "fp32", "checkpointing": "none", "optim": "sgd", "parallel": "none",
-            "bn_mode": "train", "adapter": "none", **techniques}
+            "bn_mode": "train", "adapter": "none", "compile": "none", **techniques}
 
 
 def config_of(chosen: dict[str, str]) -> dict:
@@ -67,6 +68,17 @@ def rows_of(*results: dict) -> list[Row]:
     describe_rows(rows)
     add_ratios(rows)
     return rows
+
+
+def test_a_record_from_before_a_group_existed_is_at_that_groups_baseline():
+    """result.json files written before adapter and compile were groups still report."""
+    def without_new_groups(chosen: dict[str, str]) -> dict:
+        return {group: option for group, option in config_of(chosen).items()
+                if group not in ("adapter", "compile")}
+
+    assert is_baseline(without_new_groups(chosen_techniques()))
+    assert not is_baseline(without_new_groups(chosen_techniques(precision="bf16")))
+    assert not is_baseline(config_of(chosen_techniques(adapter="lora")))
 
 
 def test_a_job_standing_in_for_a_baseline_that_failed_is_named():
