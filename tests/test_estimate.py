@@ -245,7 +245,7 @@ def test_plan_says_which_options_of_every_group_it_tried_and_why_it_left_out_the
     assert search.fixed == {"data": "images", "model": "mlp", "logger": "csv"}
     assert search.space["checkpointing"] == ["none", "full", "offload", "selective_ops"]
     assert search.left_out["checkpointing"] == {
-        "modules": "CheckpointModules plans none",
+        "budget": "MemoryBudget plans none", "modules": "CheckpointModules plans none",
         "selective": "CheckpointBlocks plans only every=1",
         "sequential": "CheckpointSequential plans none"}
     # the loss: chunked_ce is planned, but the MLP has no output head for it to take
@@ -334,7 +334,7 @@ def test_plan_ranks_what_changes_what_is_learned_after_what_keeps_it(capsys):
                         f"{TrainBN.accumulation_changes_math}")
     # ... and ends with the space it covered
     block = shown[shown.index("search space covered:"):]
-    assert ("  checkpointing: tried none, full; left out modules, offload, selective, "
+    assert ("  checkpointing: tried none, full; left out budget, modules, offload, selective, "
             "selective_ops, sequential (not in the command line's list)") in block
     assert block[-1].startswith("  not searched, the run's own")
 

@@ -55,7 +55,8 @@ def test_smoke_run_writes_a_complete_result(runs):
 
     assert result["status"] == "ok" and result["error"] is None
     assert result["techniques"] == {"precision": "fp32", "checkpointing": "none", "optim": "sgd",
-                                    "parallel": "none", "bn_mode": "train"}
+                                    "parallel": "none", "bn_mode": "train", "adapter": "none",
+                                    "compile": "none"}
     memory = result["memory"]
     assert memory["device"] == "cpu" and memory["peak_bytes"] > 0
     assert memory["peak_phase"] in memory["phases"]

@@ -19,7 +19,8 @@ def compute_dtype(tensor: Tensor) -> torch.dtype:
     """The dtype the head's matmul runs in: autocast's where it is on (as the model's own head
     would run under it), the tensor's otherwise."""
     device = tensor.device.type
-    if torch.is_autocast_enabled(device):
+    # (no autocast on the meta device, where the estimate's dry run checks the structure)
+    if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
         return torch.get_autocast_dtype(device)
     return tensor.dtype
 

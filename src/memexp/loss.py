@@ -336,6 +336,7 @@ class ChunkedCrossEntropy(Technique):
     # `memexp plan` tries it in place of a cross-entropy, where the model has an output head
     # (memexp.plan.loss_options)
     planned: ClassVar[tuple[Mapping[str, object], ...]] = ({},)
+    changes_math = None  # the same loss and gradients (within float rounding: tested)
     # the losses it computes the same as (a model's own: where its head is found)
     replaces: ClassVar[tuple[type, ...]] = (CrossEntropy, ModelLoss)
     # what the run uses: impl, once the first forward pass says on which device (check)

@@ -173,10 +173,17 @@ class FirstForward:
                     "(memexp.models.blocks: [auto], class names or module-name globs).")
 
 
-def check_loss(loss: Any, key: str, trainable: int) -> None:
+def check_trainable(trainable: int) -> None:
+    """Before the optimizer is built over them: some parameter trains (`trainable`: how many of
+    the model's parameters require gradients)."""
+    if trainable == 0:
+        raise ValueError("model: none of the model's parameters requires a gradient (all are "
+                         "frozen): nothing would be trained")
+
+
+def check_loss(loss: Any, key: str) -> None:
     """The first loss, before its backward: one floating-point number that autograd can follow
-    back to the model (`trainable`: how many of its parameters require gradients). Only what a
-    tensor says of itself is read: no value, no host sync."""
+    back to the model. Only what a tensor says of itself is read: no value, no host sync."""
     if not isinstance(loss, Tensor):
         raise ValueError(f"{key}: the loss is {type(loss).__name__}, not a tensor: it must "
                          "return the loss computed from the model's outputs")
@@ -187,9 +194,6 @@ def check_loss(loss: Any, key: str, trainable: int) -> None:
         raise ValueError(f"{key}: the loss is a {loss.dtype} tensor: gradients need a "
                          "floating-point loss computed from the model's outputs (a count or "
                          "an argmax has none)")
-    if trainable == 0:
-        raise ValueError("model: none of the model's parameters requires a gradient (all are "
-                         "frozen): nothing would be trained")
     if not loss.requires_grad:
         raise ValueError(f"{key}: the loss needs no gradient: it does not depend on the "
                          "model's parameters (computed from detached outputs, or from "

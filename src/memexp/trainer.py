@@ -37,7 +37,13 @@ from memexp.memory.sizes import parse_size
 from memexp.models import LOADED
 from memexp.out_of_memory import OutOfMemory, is_out_of_memory
 from memexp.paired import PairedBaseline, Unpaired
-from memexp.prechecks import FirstForward, check_loss, check_reached, check_signature
+from memexp.prechecks import (
+    FirstForward,
+    check_loss,
+    check_reached,
+    check_signature,
+    check_trainable,
+)
 from memexp.progress import progress_lines
 from memexp.techniques import check_combination, check_loss_combination
 from memexp.timing import MachineLoad, step_timing
@@ -207,6 +213,7 @@ class Trainer:
         # objects throughout (FSDP's are the shards).
         self.parameters = list(self.model.parameters())
         self.trainable = sum(p.requires_grad for p in self.parameters)
+        check_trainable(self.trainable)  # an optimizer over no parameter fails less clearly
         # The blocks the techniques resolved (memexp.models.blocks), for the record; and after
         # the first forward pass, every module a technique changed must have run.
         self.blocks = {group: option.found.summary() for group, option in self._changing()
@@ -283,7 +290,7 @@ class Trainer:
                     loss = self.compute_loss(outputs, batch)
                     del outputs  # the logits go as soon as the loss no longer needs them
                     if self.first_step:
-                        check_loss(loss, self.loss.key, self.trainable)
+                        check_loss(loss, self.loss.key)
                     # Weigh for accumulation; skipped at k=1, where the extra autograd node
                     # would only cost time (x * 1 == x bitwise).
                     loss = loss * weights[micro] if accumulate > 1 else loss
