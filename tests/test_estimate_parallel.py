@@ -88,6 +88,12 @@ def test_the_world_size_is_refused_where_it_cannot_be_estimated(capsys):
     assert cli.main(["estimate", "model=mlp", *CPU_SMALL, "parallel=ddp",
                      "--world-size", "0"]) == 2
     assert "--world-size 0: must be >= 1" in capsys.readouterr().err
+    # a loss that applies the head outside forward: DDP's trace on the fake group marks the
+    # head's weight ready twice (a RuntimeError deep in the reducer, before this refusal)
+    assert cli.main(["estimate", "model=transformer", *CPU_SMALL, "loss=chunked_ce",
+                     "parallel=ddp", "--world-size", "2"]) == 2
+    assert ("loss=chunked_ce --world-size 2: the rank's trace builds DDP"
+            in capsys.readouterr().err)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         assert cli.main(["estimate", "model=mlp", *CPU_SMALL, "parallel=fsdp",

@@ -51,7 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hydra import compose, initialize_config_dir
-from hydra.utils import get_class
+from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
 from torch._subclasses.fake_tensor import (
@@ -68,7 +68,7 @@ from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
-from memexp import cudatrace
+from memexp import cudatrace, registry
 from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
@@ -371,7 +371,10 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
         raise ValueError(f"estimate target={target}: expected cpu or cuda")
     parallel = get_class(cfg.parallel._target_)
     world_size = cfg.trainer.nproc if world_size is None else world_size
-    check_estimable(parallel, world_size)
+    # the loss's class where it is one of conf/loss's (a user's loss is not imported here)
+    loss_target = (get_object(cfg.loss._target_)
+                   if cfg.loss._target_ in registry.target_names("loss") else None)
+    check_estimable(parallel, world_size, loss_target)
     if not get_class(cfg.compile._target_).estimable:
         raise ValueError(
             f"compile={cfg.compile.mode}: memexp estimate traces the eager aten ops on fake "

@@ -153,7 +153,7 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
             space[group] = [registry.baseline_option("adapter")]
             why = "adapter.target_modules=[auto] finds no layers to adapt in the model"
         elif group == LOSS:
-            space[group] = loss_options(list(overrides), choices[LOSS])
+            space[group] = loss_options(list(overrides), choices[LOSS], world_size)
             why = ""
         elif group in COMPUTED or group in KEPT:
             space[group] = registry.planned(group)
@@ -171,24 +171,31 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
                                for name in registry.options(group) if name not in space[group]}
         if group == LOSS and group not in searched:
             left_out[group].update({name: f"does not compute loss={choices[LOSS]} on this model"
+                                          if world_size == 1 else
+                                          "applies the head outside forward: a rank's trace "
+                                          "refuses it (estimate it with --world-size 1)"
                                     for name in registry.planned(LOSS)
                                     if name not in space[group]})
     fixed = {group: choices[group] for group in registry.groups() if group not in space}
     return Search(space, left_out, fixed)
 
 
-def loss_options(fixed: list[str], loss: str) -> list[str]:
+def loss_options(fixed: list[str], loss: str, world_size: int = 1) -> list[str]:
     """The user's loss, and the planned losses (memexp.registry) that compute the same on this
     model: chunked_ce in place of a cross-entropy, where the model has an output head for it
-    (looked for on the meta device: structure only)."""
+    (looked for on the meta device: structure only), and at one rank (a rank's trace refuses a
+    loss that applies the head: memexp.techniques.check_estimable)."""
     options = [loss]
     configured = compose_config(fixed).loss
     if OmegaConf.is_missing(configured, "_target_"):  # loss=custom without its target
         return options
     for option in registry.planned(LOSS):
         cfg = compose_config([*fixed, f"{LOSS}={option}"])
+        target = get_class(cfg.loss._target_)
         if option == loss or configured._target_ not in map(registry.target_path,
-                                              get_class(cfg.loss._target_).replaces):
+                                                            target.replaces):
+            continue
+        if world_size > 1 and target.applies_params:
             continue
         with torch.device("meta"):
             model = build_model(cfg.model)

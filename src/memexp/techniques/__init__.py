@@ -160,14 +160,22 @@ def check_loss_combination(loss, parallel) -> None:
             "only inside forward). Use parallel=ddp or zero1, or loss=cross_entropy with fsdp")
 
 
-def check_estimable(parallel_class: type, world_size: int) -> None:
+def check_estimable(parallel_class: type, world_size: int, loss_target=None) -> None:
     """memexp estimate traces one process, or one rank of `world_size` (memexp.estimate_parallel):
-    read from the class, since building a parallel option joins a process group."""
+    read from the classes (the parallel option's and the loss's `loss_target`), since building
+    a parallel option joins a process group."""
     if world_size < 1:
         raise ValueError(f"--world-size {world_size}: must be >= 1")
     if world_size > 1 and not parallel_class.distributed:
         raise ValueError(f"--world-size {world_size} with parallel=none: every rank would train "
                          "its own copy. Choose parallel=ddp, zero1 or fsdp")
+    if world_size > 1 and registry.stated(loss_target, "applies_params", False):
+        raise ValueError(
+            f"{loss_target.key} --world-size {world_size}: the rank's trace builds DDP with "
+            "find_unused_parameters=True on its fake process group, which marks the output "
+            "head's weight ready twice when the loss applies it outside forward. Estimate it "
+            "with --world-size 1 (the loss's memory per rank is the same), or measure the ranks "
+            "with train.py")
     if not parallel_class.estimable:
         raise ValueError(f"parallel._target_={parallel_class.__module__}."
                          f"{parallel_class.__qualname__}: memexp estimate does not trace it "
