@@ -22,6 +22,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from memexp import cudatrace
 from memexp.config import config_dir
+from memexp.distributed import destroy_process_group
 
 REPO = Path(__file__).resolve().parents[1]
 # The same for the runs tests start (train.py, sweeps, SLURM jobs inherit it), unless set.
@@ -55,6 +56,15 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def no_process_group_left() -> Iterator[None]:
+    """A test whose in-process run joins a one-rank group (parallel=fsdp built by a Trainer, or
+    refused after it was built) leaves it joined; the next test's estimate with a parallel
+    option would then refuse to join its fake group ("already in one")."""
+    yield
+    destroy_process_group()
 
 
 # -- slow work started at the session's start ----------------------------------------------------
