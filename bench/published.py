@@ -30,9 +30,7 @@ tokens, estimated for an H100 and a V100 in the CUDA build, and by the CPU stand
 Multi-GPU sources set `parallel=ddp|zero1|fsdp` and `trainer.nproc=N` (the same as `memexp
 estimate --world-size N`): the estimate is one rank's, traced on torch's fake process group
 (memexp.estimate_parallel). Their table gives each row's difference to the source's first row
-beside the error. Where a source used a feature memexp does not model and a stand-in is
-traced for it (`absolute=False`), the rows' own errors are not claimed: only the differences
-between rows, where that feature's memory cancels, are compared.
+beside the error.
 """
 
 from __future__ import annotations
@@ -130,9 +128,6 @@ class Source:
     # software differences, added: bytes from the estimate and the row's config
     extras: tuple[Callable[[Estimate, DictConfig], int], ...] = ()
     notes: tuple[str, ...] = field(default=())
-    # False where the rows trace a stand-in for a feature memexp does not model: only their
-    # differences to the first row are compared, not their own errors
-    absolute: bool = True
 
 
 BERT_LARGE = ("model=hf", "model.arch=bert", "model.task=sequence_classification",
@@ -323,16 +318,15 @@ SOURCES = (
         "loss; 'Memory(GiB)': the log's max_reserved_gib (reserved_bytes.all.peak), read at "
         "the 90th step: 82.4 on 8 GPUs, 67.0 on 128",
         "h100", "reserved",
-        (*LLAMA31_8B, *TORCHTITAN, "checkpointing=full", "data.seq_len=8192",
+        (*LLAMA31_8B, *TORCHTITAN, "checkpointing=selective_ops", "data.seq_len=8192",
          "data.batch_size=2"),
-        rows=(("FSDP2, 8 ranks (full AC standing in for per-op SAC)", ("trainer.nproc=8",),
-               82.4 * 1024),
-              ("FSDP2, 128 ranks (the same)", ("trainer.nproc=128",), 67.0 * 1024)),
-        absolute=False,
-        notes=("memexp has no per-op selective checkpointing: checkpointing=full stands in, "
-               "keeping less. The activations are the same at 8 and 128 ranks (the local "
-               "batch is), so the difference between the rows is the sharded parameters, "
-               "gradients and AdamW state: that is what this source checks",
+        rows=(("FSDP2, per-op SAC, 8 ranks", ("trainer.nproc=8",), 82.4 * 1024),
+              ("FSDP2, per-op SAC, 128 ranks", ("trainer.nproc=128",), 67.0 * 1024)),
+        notes=("checkpointing=selective_ops is torchtitan's 'op' mode with its save list "
+               "(memexp.techniques.checkpointing.TORCHTITAN_SAVE): every other mm kept. The "
+               "activations are the same at 8 and 128 ranks (the local batch is), so the "
+               "difference between the rows is the sharded parameters, gradients and AdamW "
+               "state",
                f"GPU: {TORCHTITAN_H100}")),
 )
 
@@ -346,10 +340,6 @@ NOT_REPRODUCED = (
     ("the seeds' BERT checkpointing table (Explore Gradient-Checkpointing in PyTorch: b24 "
      "10972 -> 3944 MB, b132 10212 MB)",
      "model size, sequence length, GPU and how memory was read are not given"),
-    ("torchtitan benchmarks/llama3_h100_202412_torchtitan.md, the FSDP rows on their own "
-     "(82.4 GiB on 8 H100s, 67.0 on 128)",
-     "selective activation checkpointing per op is not a memexp option; the difference "
-     "between the two is reproduced (torchtitan-2412)"),
     ("the same page's torch.compile and Float8 rows (Tables 1 and 3), and Tables 2, 4, 5 and 6",
      "torch.compile, Float8 linears and their float8 all-gather, context, tensor and pipeline "
      "parallelism are not modelled"),
@@ -357,7 +347,8 @@ NOT_REPRODUCED = (
      "67.23%)", "FSDP1 (FullyShardedDataParallel, flat parameters) is not a memexp option: "
      "parallel=fsdp is FSDP2's fully_shard"),
     ("torchtitan PR #165's SAC, compiled and 2D (FSDP + sequence parallel) rows",
-     "per-op selective checkpointing, torch.compile and tensor parallelism are not modelled"),
+     "torch.compile and tensor parallelism are not modelled; the eager SAC row is not rerun "
+     "with checkpointing=selective_ops yet (only torchtitan-2412 was)"),
     ("torchtitan PR #97 (Llama 7B: full AC 28.12% allocated, 40.61% reserved; SAC 62.0%, "
      "80.45%)", "FSDP1, and the world size, batch and sequence length are not given"),
     ("torchtitan benchmarks/llama3_8b_h200_2025-06_torchtitan.md (Llama 3.1 8B on 32 and 64 "
@@ -446,7 +437,6 @@ def parallel_table(results: list[Result]) -> str:
              "published - first row | estimate - first row | its error |",
              "|---|---|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r, first in with_first(results):
-        error = f"{r.error:+.1%}" if r.source.absolute else "not claimed"
         difference = "| - | - | - |"
         if r is not first:
             published, predicted = r.published - first.published, r.predicted - first.predicted
@@ -455,28 +445,19 @@ def parallel_table(results: list[Result]) -> str:
         lines.append(
             f"| {r.source.key} | {r.label} | {r.estimate.rank} of {r.estimate.world_size} | "
             f"{r.source.gpu} | {r.estimate.trace} | {r.published / MIB:,.0f} | "
-            f"{r.predicted / MIB:,.0f} | {error} {difference}")
+            f"{r.predicted / MIB:,.0f} | {r.error:+.1%} {difference}")
     return "\n".join(lines)
 
 
 def summary(results: list[Result]) -> str:
-    claimed = [r for r in results if r.source.absolute]
-    within = sum(abs(r.error) <= 0.10 for r in claimed)
-    pairs = [(r, first) for r, first in with_first(results) if r is not first]
+    within = sum(abs(r.error) <= 0.10 for r in results)
     ratios = [r.predicted / first.predicted - r.published / first.published
-              for r, first in pairs if r.source.absolute]
-    differences = [(r.predicted - first.predicted - r.published + first.published)
-                   / abs(r.published - first.published)
-                   for r, first in pairs if not r.source.absolute]
-    lines = [f"errors within 10%: {within} of {len(claimed)} rows; largest |error| "
-             f"{max(abs(r.error) for r in claimed):.1%}"] if claimed else []
+              for r, first in with_first(results) if r is not first]
+    lines = [f"errors within 10%: {within} of {len(results)} rows; largest |error| "
+             f"{max(abs(r.error) for r in results):.1%}"]
     if ratios:
         lines.append(f"ratios within 0.05: {sum(abs(d) <= 0.05 for d in ratios)} of "
                      f"{len(ratios)}; largest |diff| {max(abs(d) for d in ratios):.3f}")
-    if differences:
-        lines.append(f"differences to the first row, where only they are claimed: within 10%: "
-                     f"{sum(abs(d) <= 0.10 for d in differences)} of {len(differences)}; "
-                     f"largest |error| {max(abs(d) for d in differences):.1%}")
     return "\n".join(lines)
 
 
