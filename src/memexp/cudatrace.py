@@ -124,21 +124,28 @@ class ConvolutionWorkspaces(TorchDispatchMode):
 
 class PinnedHostMemory(TorchDispatchMode):
     """Page-locked host memory for fake tensors, which have none: `pin_memory()` of a fake
-    host tensor is its copy (as pinning copies into memory the CUDA driver locked), and that
-    copy answers is_pinned() with True. fully_shard's CPU offload keeps its sharded parameters
-    and gradients so on a GPU; the copies are host memory, like the tensors they pin."""
+    host tensor is its copy (as pinning copies into memory the CUDA driver locked), and every
+    tensor on that copy's storage answers is_pinned() with True. fully_shard's CPU offload keeps
+    its sharded parameters and gradients so on a GPU; the copies are host memory, like the
+    tensors they pin.
+
+    Pinning belongs to the memory, not to one tensor object: torch asks the CUDA host allocator
+    about the data pointer. fully_shard pins each shard as it shards, and at its first forward
+    asks again of a narrowed view of it (FSDPParam.reset_sharded_param); answered for the one
+    tensor object, it pinned a second copy then, made outside the offload's host_resident()
+    and so counted nowhere."""
 
     def __init__(self):
         super().__init__()
-        self.pinned = WeakIdKeyDictionary()
+        self.pinned = WeakIdKeyDictionary()  # the pinned storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ops._pin_memory.default:
             pinned = args[0].clone()
-            self.pinned[pinned] = True
+            self.pinned[pinned.untyped_storage()] = True
             return pinned
         if func is _ops.is_pinned.default:
-            return args[0] in self.pinned
+            return args[0].untyped_storage() in self.pinned
         return func(*args, **(kwargs or {}))
 
 
