@@ -122,6 +122,16 @@ def test_an_unchanged_source_is_not_rebuilt(libraries):
 
 
 # -- the model of an estimate: built on meta, given fake storage ---------------------------------
+def test_pinned_host_memory_is_pinned_in_every_view_of_it():
+    """fully_shard asks is_pinned() of a narrowed view of the shard it pinned
+    (FSDPParam.reset_sharded_param); a False pinned a second copy, counted nowhere."""
+    with FakeTensorMode(), cudatrace.PinnedHostMemory():
+        host = torch.empty(8)
+        pinned = host.pin_memory()
+        assert not host.is_pinned() and pinned.is_pinned()
+        assert pinned.narrow(0, 0, 4).is_pinned() and pinned.view(2, 4).is_pinned()
+
+
 def test_an_estimate_s_model_keeps_its_tied_weights():
     with torch.device("meta"):
         model = nn.Sequential(nn.Embedding(100, 8), nn.Linear(8, 100, bias=False))

@@ -14,8 +14,8 @@ inside torch's allocator), the CUDA context and, for a rank of several, NCCL's b
 (memexp.gpus, outside it).
 
 A parallel option's rank is traced in that process too, on a fake process group of its own
-(memexp.estimate_parallel): fully_shard's streams and events are the fake device's, and its
-pinned CPU offload is PinnedHostMemory's.
+(memexp.estimate_parallel): fully_shard's and DistributedDataParallel's streams and events are
+the fake device's, and their pinned host memory is PinnedHostMemory's.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -38,6 +39,7 @@ from memexp.gpus import Gpu
 from memexp.memory.allocator import CachingAllocatorModel
 
 _ops = torch.ops.aten
+_HOST = torch.device("cpu")
 # The ops torch runs through cuBLAS (ATen/cuda/Blas.cpp); convolutions go to cuDNN instead.
 CUBLAS_OPS = {_ops.mm, _ops.addmm, _ops.bmm, _ops.baddbmm, _ops.addbmm, _ops.mv, _ops.addmv,
               _ops.dot, _ops.vdot, _ops._addmm_activation, _ops._scaled_mm, _ops._int_mm}
@@ -124,21 +126,38 @@ class ConvolutionWorkspaces(TorchDispatchMode):
 
 class PinnedHostMemory(TorchDispatchMode):
     """Page-locked host memory for fake tensors, which have none: `pin_memory()` of a fake
-    host tensor is its copy (as pinning copies into memory the CUDA driver locked), and that
-    copy answers is_pinned() with True. fully_shard's CPU offload keeps its sharded parameters
-    and gradients so on a GPU; the copies are host memory, like the tensors they pin."""
+    host tensor is its copy (as pinning copies into memory the CUDA driver locked), and every
+    tensor on that copy's storage answers is_pinned() with True. fully_shard's CPU offload keeps
+    its sharded parameters and gradients so on a GPU; the copies are host memory, like the
+    tensors they pin.
+
+    A host tensor made pinned (a factory's pin_memory=True) is made for real, in pageable
+    memory: DistributedDataParallel's reducer copies its map of used parameters (one int per
+    parameter) through one on every backward, and checks that its data pointer differs from the
+    map's (reducer.cpp, all_reduce_local_used_map), which a fake tensor's (0) never does.
+
+    Pinning belongs to the memory, not to one tensor object: torch asks the CUDA host allocator
+    about the data pointer. fully_shard pins each shard as it shards, and at its first forward
+    asks again of a narrowed view of it (FSDPParam.reset_sharded_param); answered for the one
+    tensor object, it pinned a second copy then, made outside the offload's host_resident()
+    and so counted nowhere."""
 
     def __init__(self):
         super().__init__()
-        self.pinned = WeakIdKeyDictionary()
+        self.pinned = WeakIdKeyDictionary()  # the pinned storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _ops._pin_memory.default:
             pinned = args[0].clone()
-            self.pinned[pinned] = True
+            self.pinned[pinned.untyped_storage()] = True
             return pinned
+        if kwargs and kwargs.get("pin_memory") and (kwargs.get("device") or _HOST).type == "cpu":
+            with unset_fake_temporarily():
+                made = func(*args, **{**kwargs, "pin_memory": False})
+            self.pinned[made.untyped_storage()] = True
+            return made
         if func is _ops.is_pinned.default:
-            return args[0] in self.pinned
+            return args[0].untyped_storage() in self.pinned
         return func(*args, **(kwargs or {}))
 
 

@@ -80,7 +80,6 @@ from memexp.loggers import NoLogger
 from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.prechecks import check_signature, dry_run
-from memexp.registry import options_of
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.techniques import check_estimable
 from memexp.trainer import Trainer
@@ -383,25 +382,12 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
             "the eager run's. Measure it with train.py (the CPU allocator's own count), or "
             "estimate compile=none")
     python = None if target == "cpu" or torch.cuda.is_available() else cudatrace.cuda_python()
-    if target == "cuda" and (python is not None or torch.cuda.is_available()):
-        check_cuda_kernels(parallel)
     if python is not None:  # the whole estimate, each rank's trace too, in the CUDA build
         return Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True),
                                         gpu(gpu_key), python, world_size))
     if not parallel.distributed:
         return one_process(cfg, target, gpu_key)
     return on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
-
-
-def check_cuda_kernels(parallel: type) -> None:
-    """Refuse, with its reason, a parallel option that a trace on CUDA's kernels cannot run."""
-    if parallel.not_traced_on_cuda:
-        name = "|".join(options_of("parallel", parallel))
-        raise ValueError(
-            f"parallel={name} --target cuda: {parallel.not_traced_on_cuda}, so the CUDA build "
-            "cannot trace it. parallel=fsdp can be; MEMEXP_CUDA_PYTHON=none estimates this "
-            "option on the CPU stand-in (the caching allocator modelled, CUDA's own kernel "
-            "choices not seen)")
 
 
 def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:

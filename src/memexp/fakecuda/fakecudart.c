@@ -14,7 +14,8 @@
  * runtime only __cudaUnregisterFatBinary at exit; the other answers cover torch paths seen in
  * the first probe of this design (attributes, versions, error state, capture info) and
  * torch.cuda.mem_get_info. A rank of parallel=fsdp, traced on a fake process group, also
- * creates streams and records and waits on events (fully_shard's gathers and reductions).
+ * creates streams and records and waits on events (fully_shard's gathers and reductions); one
+ * of parallel=ddp|zero1 also reads the time between two events (DDP's logger).
  *
  * It never pretends to do work: the calls that would allocate device or pinned memory, copy,
  * or launch a kernel abort the process with a message naming the call. Under FakeTensorMode
@@ -370,6 +371,16 @@ COMPLETE(19, cudaEventQuery)
 COMPLETE(20, cudaEventSynchronize)
 COMPLETE(21, cudaStreamQuery)
 COMPLETE(22, cudaStreamSynchronize)
+
+/* DistributedDataParallel times its first iterations with events (c10d::CudaTimer, read by
+ * its Logger): nothing ran between two events on the fake device, so no time passed. */
+cudaError_t cudaEventElapsedTime(float *ms, handle_t start, handle_t end) {
+    (void)start;
+    (void)end;
+    count(23, "cudaEventElapsedTime");
+    *ms = 0.0f;
+    return cudaSuccess;
+}
 
 /*
  * torch (c10::cuda::DriverAPI, built on its first CUDA call) looks up driver functions through

@@ -158,9 +158,13 @@ def tensor_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
     """The real storages behind a tensor; wrapper subclasses (DTensor) are opened up."""
     if _is_wrapper(type(tensor)):
         names, _ = tensor.__tensor_flatten__()
-        # DTensor (torch >= 2.10) also names its device mesh, which holds no storage.
-        inner = (getattr(tensor, name) for name in names)
-        return [s for t in inner if isinstance(t, torch.Tensor) for s in tensor_storages(t)]
+        storages = []
+        for name in names:
+            inner = getattr(tensor, name)
+            # DTensor (torch >= 2.10) also names its device mesh, which holds no storage.
+            if isinstance(inner, torch.Tensor):
+                storages += tensor_storages(inner)
+        return storages
     try:
         return [tensor.untyped_storage()]
     except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts

@@ -38,8 +38,6 @@ class Parallel(Protocol):
     shards_parameters: bool
     # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
-    # Why memexp estimate cannot trace it on CUDA's kernels ("": it can).
-    not_traced_on_cuda: str
     # memexp plan tries the options from the cheapest (the least communicated) up
     cost_rank: int
     found: Blocks | None  # the blocks it resolved (fsdp's units)
@@ -83,7 +81,6 @@ class NoParallel(Technique):
     distributed = False
     shards_parameters = False
     estimable = True
-    not_traced_on_cuda = ""
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
 
     def __post_init__(self) -> None:
@@ -131,7 +128,6 @@ class _OnProcessGroup(Technique):
     shards_parameters = False  # each rank holds whole parameters (FSDP shards them)
     # on torch's fake process group (memexp.estimate_parallel), one rank at a time
     estimable = True
-    not_traced_on_cuda = ""
     planned = ({},)  # memexp plan --world-size N tries each, as its YAML has it
 
     def __post_init__(self) -> None:
@@ -176,11 +172,6 @@ class DDP(_OnProcessGroup):
     averaged across ranks during backward, bucket by bucket."""
 
     cost_rank = 1  # an all-reduce of the gradients, overlapped with backward
-    # The estimate's rank finds unused parameters (see apply); on a CUDA device the reducer
-    # then copies its map of used parameters through a pinned host tensor that it checks by
-    # data pointer (reducer.cpp, all_reduce_local_used_map), and a fake tensor has none.
-    not_traced_on_cuda = ("DistributedDataParallel's reducer checks a pinned host copy by its "
-                          "data pointer, which the trace's fake tensors do not have")
 
     def apply(self, model: nn.Module, autocast_dtype: torch.dtype | None) -> nn.Module:
         if not on_fake_group():
@@ -237,12 +228,24 @@ class _ShardedAndGathered(SwapsParameters):
     def __init__(self, model: nn.Module, sharded: list[nn.Parameter]):
         super().__init__()
         self.model, self.sharded = model, sharded
+        # The meter asks for both at every new peak (a thousand times a step on an 8B Llama):
+        # FSDP swaps the tensors in each module's slots, never the modules, so the modules are
+        # listed once instead of walked every time (nn.Module.parameters() recurses).
+        self._modules_in_order = list(model.modules())
 
     def parameters(self, recurse: bool = True):
-        return iter({id(p): p for p in (*self.sharded, *self.model.parameters())}.values())
+        held = {id(p): p for p in self.sharded}
+        for module in self._modules_in_order:
+            held.update((id(p), p) for p in module._parameters.values() if p is not None)
+        return iter(held.values())
 
     def buffers(self, recurse: bool = True):
-        return self.model.buffers()
+        seen = set()
+        for module in self._modules_in_order:
+            for buffer in module._buffers.values():
+                if buffer is not None and id(buffer) not in seen:
+                    seen.add(id(buffer))
+                    yield buffer
 
 
 @contextmanager
