@@ -38,8 +38,12 @@ train: install ## a single run with your overrides, e.g. make train ARGS='precis
 # The tests marked slurm run against a one-node SLURM cluster on this machine: `test` brings one up
 # where it can (root, Debian/Ubuntu, the package registry reachable), and stops what it started;
 # elsewhere it says why, and pytest skips those tests.
+# Two pytest-xdist workers: the tests run one thread each, and most of them one process, so one
+# worker left a core idle. A file goes to one worker whole (its tests share module fixtures and
+# early work), the files with the most tests first.
+TEST_WORKERS ?= 2
 test: install ## the whole test suite (what CI runs), with a local SLURM cluster where one can run
-	scripts/slurm-local with $(PY) -m pytest
+	scripts/slurm-local with $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 test-fast: install ## the tests not marked slow
 	$(PY) -m pytest -m "not slow"

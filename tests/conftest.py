@@ -73,15 +73,27 @@ def no_process_group_left() -> Iterator[None]:
 # soon as the session's tests are known, one at a time in a lane of their own beside the tests
 # before theirs; a test that comes to one not started yet runs it itself. SLURM's sweeps, which
 # mostly wait for the cluster's timers, start at once, outside the lane.
+#
+# Under pytest-xdist (`make test`: 2 workers, --dist loadfile) the workers keep both cores busy
+# instead. Each worker collects every test but runs the files the controller sends it, so no
+# lane starts there: a file's early work runs at the first of its tests that reads it, in the
+# worker that runs the file. Work that mostly waits (lane=False: SLURM's sweeps) still starts at
+# once, whichever worker will read it: in a folder that the workers share (SHARED, made by the
+# controller), which its `start(folder)` claims, so that one worker starts it and the others
+# read what it leaves there.
+XDIST_WORKER = "PYTEST_XDIST_WORKER" in os.environ
+SHARED = "MEMEXP_TESTS_SHARED"
 
 
 class Early:
     """Slow work behind a module-scoped fixture (`early`): `start(folder)` starts it and returns
     an object whose `result()` waits for it and gives the fixture's value, and whose `stop()`
-    ends what of it still runs (a session stopped early)."""
+    ends what of it still runs (a session stopped early). Shared work (lane=False, under xdist)
+    also has `wait()`, until it ends on its own: another worker may still read it."""
 
     def __init__(self, start: Callable[[Path], object], lane: bool):
         self.start, self.lane = start, lane
+        self.shared = XDIST_WORKER and not lane
         self.started: object | None = None
         self.lock = threading.Lock()
 
@@ -91,7 +103,12 @@ class Early:
             if ENDED.is_set():
                 raise RuntimeError("the session has ended: no early work starts now")
             if self.started is None:
-                folder = Path(tempfile.mkdtemp(prefix=f"{self.start.__name__}-", dir=EARLY_ROOT))
+                if self.shared:
+                    folder = Path(os.environ[SHARED]) / self.start.__name__
+                    folder.mkdir(exist_ok=True)
+                else:
+                    folder = Path(tempfile.mkdtemp(prefix=f"{self.start.__name__}-",
+                                                   dir=EARLY_ROOT))
                 self.started = self.start(folder)
             return self.started
 
@@ -129,9 +146,19 @@ def run_lane() -> None:
             pass
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    if not XDIST_WORKER and config.getoption("numprocesses", None):  # xdist's controller
+        os.environ[SHARED] = tempfile.mkdtemp(prefix="memexp-tests-shared-")  # workers inherit it
+
+
 def pytest_collection_finish(session: pytest.Session) -> None:
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     chosen = [work for name, work in EARLY.items() if name in used]
+    if XDIST_WORKER:
+        for work in chosen:
+            if work.shared:
+                work.begin()
+        return
     for work in chosen:
         if work.lane:
             LANE.put(work)
@@ -141,14 +168,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
     threading.Thread(target=run_lane, name="early lane", daemon=True).start()
 
 
-def pytest_sessionfinish(session: pytest.Session) -> None:
-    """What of the early work still runs (the session stopped before its tests) ends here."""
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """What of the early work still runs (the session stopped before its tests) ends here;
+    shared work first ends on its own, unless the session was interrupted."""
     ENDED.set()
     for work in EARLY.values():
         with work.lock:
             if work.started is not None:
+                if work.shared and exitstatus != pytest.ExitCode.INTERRUPTED:
+                    work.started.wait()
                 work.started.stop()
     shutil.rmtree(EARLY_ROOT, ignore_errors=True)
+    if not XDIST_WORKER and SHARED in os.environ:
+        shutil.rmtree(os.environ[SHARED], ignore_errors=True)
 
 
 class Background:

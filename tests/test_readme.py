@@ -28,7 +28,11 @@ pytestmark = pytest.mark.slow
 BASELINE = ["experiment=quick", "checkpointing=none", "optim=sgd"]
 # The README's figures were made with 2 intra-op threads (torch's default on 2 cores); another
 # count sums in another order, and some steps later the accuracy differs in the 2nd decimal.
-README_THREADS = {**os.environ, "OMP_NUM_THREADS": "2"}
+# A thread that waits for the other sleeps (OMP_WAIT_POLICY=PASSIVE) rather than spins: the same
+# kernels and sums (the same losses), but beside other busy processes (make test's second
+# worker) spinning cost 5 times the CPU time. At load 28 this run took 15 s of CPU and 4 minutes
+# passive; with the default policy it had taken 77 s of CPU and 11 minutes by its 26th step.
+README_THREADS = {**os.environ, "OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
 MEMORY_LINES = ("  peak memory", "    at peak", "    by phase")
 
 

@@ -101,14 +101,21 @@ def start(folder: Path, overrides: list[str]) -> subprocess.Popen:
 
 class Sweeps:
     """The sweeps above, started together; a thread acts on the chaos jobs as they wait, until
-    every sweep has ended (or 900 s have passed: then what still runs is stopped)."""
+    every sweep has ended (or 900 s have passed: then what still runs is stopped), and then
+    writes how they ended to root/ended.json. Under xdist every worker makes one on the same
+    root, and the first to claim it starts the sweeps; the others read root/ended.json."""
 
     def __init__(self, root: Path):
-        self.root = root
+        self.root, self.ended = root, root / "ended.json"
+        self.running: dict[str, subprocess.Popen] = {}
+        try:
+            (root / "claimed").mkdir()
+        except FileExistsError:
+            return  # another worker's
         self.skip = no_cluster()
-        self.running = ({} if self.skip else
-                        {name: start(root / name, overrides)
-                         for name, overrides in sweeps_in(root).items()})
+        if not self.skip:
+            self.running = {name: start(root / name, overrides)
+                            for name, overrides in sweeps_in(root).items()}
         self.thread = threading.Thread(target=self.drive, name="slurm sweeps", daemon=True)
         self.thread.start()
 
@@ -126,6 +133,11 @@ class Sweeps:
                 time.sleep(1)
         finally:
             self.stop()
+            written = self.root / ".ended.tmp"  # renamed whole: a reader never sees half
+            written.write_text(json.dumps({
+                "skip": self.skip,
+                "returncodes": {name: p.wait() for name, p in self.running.items()}}))
+            written.rename(self.ended)
 
     def stop(self) -> None:
         """A sweep that did not end in time leaves nothing behind, here or on the cluster."""
@@ -135,13 +147,21 @@ class Sweeps:
         if stuck:
             subprocess.run(["scancel", f"--name={NAME}"], timeout=60)
 
+    def wait(self) -> None:
+        """Until the sweeps have ended, whichever worker started them (the thread's 900 s,
+        and a minute more)."""
+        deadline = time.monotonic() + 960
+        while not self.ended.exists():
+            assert time.monotonic() < deadline, "the SLURM sweeps never ended"
+            time.sleep(0.5)
+
     def result(self) -> dict[str, Sweep]:
-        if self.skip:
-            pytest.skip(self.skip)
-        self.thread.join()
-        return {name: Sweep(self.root / name, process.wait(),
-                            (self.root / f"{name}.log").read_text())
-                for name, process in self.running.items()}
+        self.wait()
+        ended = json.loads(self.ended.read_text())
+        if ended["skip"]:
+            pytest.skip(ended["skip"])
+        return {name: Sweep(self.root / name, code, (self.root / f"{name}.log").read_text())
+                for name, code in ended["returncodes"].items()}
 
 
 @early(lane=False)  # they wait for SLURM's timers, beside the tests before these
