@@ -22,7 +22,9 @@ listed as skipped with the reason, not run. Exit status 1 if any command failed.
 from __future__ import annotations
 
 import argparse
+import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -92,6 +94,22 @@ def skip_reason(command: str) -> str | None:
     return next((why for what, why in SKIPS if what in command), None)
 
 
+def run(command: str, clone: Path, timeout: float) -> tuple[int | str, str]:
+    """(exit status, or "timeout"; stdout and stderr) of `command` in the clone's venv. A command
+    past its timeout is killed with everything it started (`make run`'s sweep and its servers):
+    left running, it would share the machine with the commands after it."""
+    process = subprocess.Popen(["bash", "-c", f"source .venv/bin/activate 2>/dev/null; {command}"],
+                               cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, start_new_session=True)
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        return process.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        return "timeout", output
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clone", type=Path, help="a clone to run in (default: a fresh one)")
@@ -112,13 +130,7 @@ def main() -> int:
             continue
         ran = resolved(shortened(command), clone)
         started = time.monotonic()
-        try:
-            done = subprocess.run(["bash", "-c", f"source .venv/bin/activate 2>/dev/null; {ran}"],
-                                  cwd=clone, capture_output=True, text=True,
-                                  timeout=args.timeout)
-            status = done.returncode
-        except subprocess.TimeoutExpired:
-            done, status = None, "timeout"
+        status, output = run(ran, clone, args.timeout)
         seconds = time.monotonic() - started
         wrong = status == 0 if must_fail else status != 0
         expected = " (must fail)" if must_fail else ""
@@ -126,9 +138,8 @@ def main() -> int:
               f"({seconds:.0f} s)", flush=True)
         if wrong:
             failed += 1
-            if done is not None:
-                tail = (done.stdout + done.stderr).strip().splitlines()[-8:]
-                print("\n".join(f"         | {line}" for line in tail), flush=True)
+            tail = output.strip().splitlines()[-8:]
+            print("\n".join(f"         | {line}" for line in tail), flush=True)
     print(f"check_readme: {failed} command(s) did not do what the README shows", flush=True)
     return 1 if failed else 0
 

@@ -123,6 +123,18 @@ def test_the_estimate_agrees_with_the_measured_cpu_peak(adapter):
     assert predicted["breakdown_at_peak"]["frozen"] == real["breakdown_at_peak"]["frozen"]
 
 
+def test_the_estimate_reads_adapters_drawn_at_random_as_weights():
+    """peft draws the adapters' initial values under the trace; Adafactor reads their norm
+    (`param.norm().item()`). That is a weight's value, not a branch on chance: estimated (`memexp
+    plan experiment=gpt_1b` stopped at optim=adafactor adapter=lora), and as measured."""
+    cfg = compose_train("trainer.max_steps=2", *LLAMA, "adapter=lora", "optim=adafactor")
+    predicted = estimate(cfg).memory
+    trainer = Trainer(cfg)
+    trainer.fit(NoLogger())
+    assert predicted["peak_bytes"] == pytest.approx(trainer.meter.report()["peak_bytes"],
+                                                    rel=0.03)
+
+
 def test_target_modules_are_refused_where_they_name_nothing():
     with pytest.raises(ValueError, match=r"'qproj' names no Linear layer of LlamaForCausalLM\. "
                        r"Valid names: down_proj, gate_proj, k_proj, lm_head, o_proj"):

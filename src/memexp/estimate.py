@@ -432,6 +432,10 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
             modes.enter_context(cudatrace.PinnedHostMemory())
         trainer = Trainer(cfg, allocator=allocator, data=_RealBatches(data, values),
                           model=with_storage(model))
+        # What the built model holds is its state, drawn at random or not (peft's adapters
+        # are initialised under the trace): a read of it (Adafactor's `param.norm().item()`)
+        # is a read of a weight, not a branch on chance. Only the steps' own draws count.
+        values.random.clear()
         flops.phase = lambda: trainer.meter.tracker.phase
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
