@@ -123,6 +123,21 @@ def test_plan_at_world_size_2_picks_a_sharded_plan_that_fits_when_run(tmp_path, 
     assert status == "ok" and ratio == pytest.approx(1, abs=0.02)
 
 
+def test_plan_leaves_out_a_combination_train_py_refuses_and_says_why(capsys):
+    """torch's Adafactor cannot step FSDP2's sharded parameters (seen: `aten.pow_.Scalar:
+    in-place operations that require placement changes are not supported`, which ended the
+    README's `plan --world-size 2,4`): plan estimates ddp and zero1 and leaves fsdp out with
+    check_combination's reason, instead of failing on it."""
+    assert cli.main(["plan", "budget=1KiB", *CPU_SMALL, *SMALL_GPT, "precision=fp32",
+                     "optim=adafactor", "checkpointing=none", "optim.accumulate=1",
+                     "adapter=none", "--world-size", "2"]) == 1  # nothing fits in 1 KiB
+    out, err = capsys.readouterr()
+    assert "over  precision=fp32 optim=adafactor" in err and "parallel=zero1" in err
+    assert "parallel=fsdp trainer.nproc=2: optim=adafactor with parallel=fsdp" in err
+    assert ("left out 1 refused: optim=adafactor with parallel=fsdp: torch's Adafactor squares"
+            in out)
+
+
 # fully_shard's split of a parameter across ranks: even, uneven, fewer rows than ranks (padded
 # with empty chunks), no rows, another dimension, and an 8B Llama's embedding at 128 ranks.
 @pytest.mark.parametrize("shape, count, dim", [

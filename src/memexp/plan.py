@@ -42,7 +42,7 @@ from __future__ import annotations
 import itertools
 import shlex
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
@@ -61,6 +61,7 @@ from memexp.loss import as_loss
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
+from memexp.techniques import check_combination, check_loss_combination
 from memexp.techniques.adapter import AUTO, resolve_targets
 from memexp.techniques.parallel import NoParallel
 
@@ -80,6 +81,9 @@ class Search:
     space: dict[str, list[str]]
     left_out: dict[str, dict[str, str]]
     fixed: dict[str, str]
+    # the combinations train.py refuses (memexp.techniques.check_combination), by its reason,
+    # with the number of candidates each left out
+    refused: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -345,6 +349,11 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
             if world_size > 1:
                 overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
+            why = refusal(cfg, target)
+            if why:  # train.py would refuse it before its first step: nothing to estimate
+                search.refused[why] = search.refused.get(why, 0) + 1
+                show(f"  {'refused':>10}        {' '.join(overrides)}: {why.split(': ')[0]}")
+                continue
             result = estimate(cfg, target, gpu)
             key = (*picks, accumulate)
             train_flops = result.flops["forward"] + result.flops["backward"]
@@ -364,6 +373,22 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
             plans.append(last)
     return sorted(plans, key=lambda p: (not p.fits, not allow_changes and bool(p.changes),
                                         p.cost()))
+
+
+def refusal(cfg: DictConfig, target: str) -> str | None:
+    """Why train.py refuses this combination of options before it builds anything (the rules
+    on the classes: memexp.techniques.check_combination), or None. The options alone are
+    built, no model; the parallel option as its class, which states what the rules read
+    (building it joins a process group)."""
+    options = {group: build(cfg[group]) for group in
+               ("precision", "optim", "bn_mode", "checkpointing", "compile", "adapter")}
+    parallel = get_class(cfg.parallel._target_)
+    try:
+        check_combination(**options, parallel=parallel, device=torch.device(target))
+        check_loss_combination(build(cfg.loss), parallel)
+    except ValueError as error:
+        return str(error)
+    return None
 
 
 def not_searched() -> list[str]:
@@ -421,6 +446,7 @@ def covered(search: Search) -> str:
         left = "".join(f"; left out {', '.join(names)} ({why})"
                        for why, names in reasons.items())
         lines.append(f"  {group}: tried {', '.join(options)}{left}")
+    lines += [f"  left out {count} refused: {why}" for why, count in search.refused.items()]
     lines.append("  not searched, the run's own (their classes plan no other): "
                  + ", ".join(f"{group}={choice}" for group, choice in search.fixed.items()))
     return "\n".join(lines)

@@ -116,6 +116,14 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
             "among the ranks (torchao: 'quantization_factor.numel() not divisible by 2' on a "
             "small Llama). Use parallel=ddp or zero1 (the 4-bit base weights are small), or "
             "adapter=lora.")
+    if parallel.shards_parameters and not optim.steps_shards:
+        name = "|".join(registry.options_of("optim", type(optim)))
+        raise ValueError(
+            f"optim={name} with parallel=fsdp: torch's {type(optim).__name__} squares each "
+            "parameter's norm in place, and FSDP2 holds parameters as sharded DTensors, whose "
+            "norm is a partial sum over the ranks (torch: 'aten.pow_.Scalar: in-place operations "
+            "that require placement changes are not supported'). Use parallel=ddp or zero1 with "
+            "it, or optim=adamw, adam or sgd with fsdp.")
     check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:
         raise ValueError(

@@ -99,6 +99,9 @@ class OptimizerChoice(Technique):
     # accumulation keeps it, save for BatchNorm's statistics (bn_mode's
     # accumulation_changes_math), and so does stepping in backward
     changes_math: ClassVar[str | None] = None
+    # whether it steps parameters that parallel=fsdp holds as sharded DTensors
+    # (memexp.techniques.check_combination)
+    steps_shards: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
@@ -186,6 +189,9 @@ class Adafactor(OptimizerChoice):
 
     changes_math: ClassVar[str | None] = (
         "another optimizer: factored second moments, no first moment, its own step size")
+    # torch's Adafactor squares a parameter's norm in place, which a sharded DTensor's partial
+    # norm cannot do (aten.pow_ on a _NormPartial placement)
+    steps_shards: ClassVar[bool] = False
     lr: float = 1e-2
     beta2_decay: float = -0.8
     eps: float = 1e-3
