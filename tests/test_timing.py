@@ -156,9 +156,9 @@ def test_a_steady_ratio_settles_after_5_pairs_and_a_wide_interval_does_not_settl
     """Five ratios within 10% of their median settle; eight whose interquartile range is
     within 10% but whose 90% interval of the median is not (two far off at each end) do not."""
     times, measured = [1.0] * 20, [1, 2]
-    steady = [[s, 1 / r] for s, r in zip(range(4, 9), [1.0, 1.05, 0.97, 1.02, 0.99])]
+    steady = [[4 + i, 1 / r] for i, r in enumerate([1.0, 1.05, 0.97, 1.02, 0.99])]
     assert step_timing(times, measured, 3, None, steady, None, 0.1)["paired"]["settled"]
-    wide = [[s, 1 / r] for s, r in zip(range(4, 12), [0.7, 0.8, 0.98, 1.0, 1.0, 1.0, 1.05, 1.4])]
+    wide = [[4 + i, 1 / r] for i, r in enumerate([0.7, 0.8, 0.98, 1.0, 1.0, 1.0, 1.05, 1.4])]
     paired = step_timing(times, measured, 3, None, wide, None, 0.1)["paired"]
     assert paired["ratio_iqr"][1] - paired["ratio_iqr"][0] <= 0.1 and not paired["settled"]
 
