@@ -11,9 +11,11 @@ import time
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from test_report import chosen_techniques, config_of, rows_of
 
 from memexp import timing as timing_module
+from memexp.config import config_dir
 from memexp.device import free_cached_memory
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
@@ -161,6 +163,17 @@ def test_a_steady_ratio_settles_after_5_pairs_and_a_wide_interval_does_not_settl
     wide = [[4 + i, 1 / r] for i, r in enumerate([0.7, 0.8, 0.98, 1.0, 1.0, 1.0, 1.05, 1.4])]
     paired = step_timing(times, measured, 3, None, wide, None, 0.1)["paired"]
     assert paired["ratio_iqr"][1] - paired["ratio_iqr"][0] <= 0.1 and not paired["settled"]
+
+
+def test_the_quick_sweep_has_the_steps_its_figures_need():
+    """experiment=quick (`make run`) is sized to its figures: its measured steps run the leak
+    check (3 growths past warm-up, memexp.memory.meter.find_leak), and at least ALONE_STEPS run
+    alone after the most pairs it may take, for its own step time."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=quick"])
+    measured, pairs = cfg.memory.measure_steps, cfg.timing.paired_steps
+    assert measured - max(cfg.trainer.warmup_steps, 1) >= 4
+    assert cfg.trainer.max_steps - measured - pairs >= timing_module.ALONE_STEPS
 
 
 @pytest.mark.cuda
