@@ -1,7 +1,7 @@
 """The figures README.md and docs/ quote are what a fresh run gives (scripts/readme_figures.py
 writes them).
 
-One quoted job is rerun: the quick sweep's baseline (`make run`'s job 0), its 27 steps. Memory is
+One quoted job is rerun: the quick sweep's baseline (`make run`'s job 0), its 19 steps. Memory is
 deterministic here, so its figures must match to the printed digit; accuracy to 3 decimals,
 where torch runs the same CPU kernels as the README's run did. The
 README's single-run summary is the same config trained longer (200 steps), so its memory lines

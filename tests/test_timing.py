@@ -4,15 +4,18 @@ named on an uncertain one. Nothing here depends on how fast anything runs."""
 
 from __future__ import annotations
 
+import math
 import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from hydra import compose, initialize_config_dir
 from test_report import chosen_techniques, config_of, rows_of
 
 from memexp import timing as timing_module
+from memexp.config import config_dir
 from memexp.device import free_cached_memory
 from memexp.memory import LiveStorageTracker
 from memexp.report import pick, ratio_notes
@@ -119,7 +122,7 @@ def test_a_run_times_its_baseline_beside_it_and_trains_as_it_would_alone(overrid
 def test_the_pairs_stop_once_their_ratio_settles_and_an_unsettled_ratio_is_uncertain():
     """timing.paired_steps is a cap: a spread this wide settles at MIN_PAIRS pairs, whatever
     the machine's speed, and the steps after them run alone. A ratio whose pairs ran out
-    before it settled (6 pairs, fewer than MIN_PAIRS) is marked uncertain in the report."""
+    before it settled (4 pairs, fewer than MIN_PAIRS) is marked uncertain in the report."""
     trainer, metrics = train(*MLP, "optim.accumulate=2", "data.batch_size=8",
                              "memory.measure_steps=3", "timing.paired_steps=30",
                              "timing.paired_spread=1000", steps=16)
@@ -127,13 +130,50 @@ def test_the_pairs_stop_once_their_ratio_settles_and_an_unsettled_ratio_is_uncer
     assert [step for step, _ in metrics.baseline_step_times] == list(range(4, 4 + pairs))
     assert timing["paired"]["settled"] is True
     assert timing["timed_steps"] == [[4 + pairs, 16]] and not timing["beside_baseline"]
-    short = step_timing([1.0] * 10, [1, 2], 3, None, [[s, 1.0] for s in range(4, 10)], None,
+    short = step_timing([1.0] * 10, [1, 2], 3, None, [[s, 1.0] for s in range(4, 8)], None,
                         1000)["paired"]
     assert short["settled"] is False
     record = result(["checkpointing=full"], 1.3, paired=1.3, checkpointing="full")
     record["metrics"]["timing"]["paired"] |= {"settled": False}
     rows = rows_of(result(["checkpointing=none"], 1.0), record)
     assert rows[1].time_doubt.startswith("its step-by-step ratios had not settled")
+
+
+def test_the_median_interval_covers_the_median_with_90_percent_whatever_the_distribution():
+    """The k-th lowest and highest of n draws miss the median when k or more fall on one side:
+    its coverage, exact from the binomial, and checked on draws of a skewed distribution (the
+    step times of a shared machine are)."""
+    ranks = {n: timing_module.median_interval_rank(n) for n in range(1, 13)}
+    assert timing_module.MIN_PAIRS == 5
+    assert ranks == {1: None, 2: None, 3: None, 4: None, 5: 1, 6: 1, 7: 1, 8: 2, 9: 2, 10: 2,
+                     11: 3, 12: 3}
+    generator = torch.Generator().manual_seed(0)
+    draws = torch.empty(20_000, 8).exponential_(generator=generator).tolist()
+    median = math.log(2)  # the exponential's
+    covered = [lo <= median <= hi for lo, hi in map(timing_module.median_interval, draws)]
+    assert abs(sum(covered) / len(covered) - 0.9297) < 0.01  # 1 - 2 * 9/256
+
+
+def test_a_steady_ratio_settles_after_5_pairs_and_a_wide_interval_does_not_settle():
+    """Five ratios within 10% of their median settle; eight whose interquartile range is
+    within 10% but whose 90% interval of the median is not (two far off at each end) do not."""
+    times, measured = [1.0] * 20, [1, 2]
+    steady = [[4 + i, 1 / r] for i, r in enumerate([1.0, 1.05, 0.97, 1.02, 0.99])]
+    assert step_timing(times, measured, 3, None, steady, None, 0.1)["paired"]["settled"]
+    wide = [[4 + i, 1 / r] for i, r in enumerate([0.7, 0.8, 0.98, 1.0, 1.0, 1.0, 1.05, 1.4])]
+    paired = step_timing(times, measured, 3, None, wide, None, 0.1)["paired"]
+    assert paired["ratio_iqr"][1] - paired["ratio_iqr"][0] <= 0.1 and not paired["settled"]
+
+
+def test_the_quick_sweep_has_the_steps_its_figures_need():
+    """experiment=quick (`make run`) is sized to its figures: its measured steps run the leak
+    check (3 growths past warm-up, memexp.memory.meter.find_leak), and at least ALONE_STEPS run
+    alone after the most pairs it may take, for its own step time."""
+    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        cfg = compose("train", overrides=["experiment=quick"])
+    measured, pairs = cfg.memory.measure_steps, cfg.timing.paired_steps
+    assert measured - max(cfg.trainer.warmup_steps, 1) >= 4
+    assert cfg.trainer.max_steps - measured - pairs >= timing_module.ALONE_STEPS
 
 
 @pytest.mark.cuda

@@ -108,9 +108,10 @@ class TimingConfig:
     # their time ratio then sees the same machine at the same moments. 0: none (the report then
     # divides the median step times of separate runs, which carry each process's speed)
     paired_steps: int = 40
-    # ... or fewer: from memexp.timing.MIN_PAIRS pairs on, the pairing stops once the step-by-step
-    # ratios' interquartile range is within this fraction of their median. A ratio whose pairs
-    # ran out first is marked uncertain (`?`) in the report
+    # ... or fewer: the pairing stops once a 90% confidence interval of the step-by-step ratios'
+    # median (distribution-free, from memexp.timing.MIN_PAIRS = 5 pairs on) is within this
+    # fraction of it on either side. A ratio whose pairs ran out first is marked uncertain (`?`)
+    # in the report
     paired_spread: float = 0.1
 
 

@@ -119,7 +119,8 @@ class PairedBaseline:
         return not self.dropped
 
     def settled(self) -> None:
-        """The ratio's spread is within timing.paired_spread: no more pairs are needed."""
+        """The median ratio's confidence interval is within timing.paired_spread
+        (memexp.timing.paired_timing): no more pairs are needed."""
         log.info("timing: the ratio to the baseline settled after %d pairs", len(self.times))
         self._drop()
 

@@ -19,14 +19,20 @@ memexp.baseline): their steps alternate in one process, and the median of the st
 ratios (`paired`) is what the report gives as the run's step time against its baseline. Two
 models taking turns slow each other's steps, so the run's own step time (and throughput) comes
 from the timed steps after the pairs, which run alone. The pairs go on only until the ratio is
-known well enough: from MIN_PAIRS pairs on, the run drops its baseline once the ratios'
-interquartile range is within `timing.paired_spread` of their median (`settled`); a ratio whose
-pairs ran out first (`timing.paired_steps`, or the run's end) is not settled, and the report
-marks it uncertain.
+known well enough: the run drops its baseline once a 90% confidence interval of the median
+ratio lies within `timing.paired_spread` of their median, on either side (`settled`). The interval
+is distribution-free (a step's time on a shared machine is not normal, and its outliers are
+one-sided): the order statistics that cover the median with at least that probability, whatever
+the ratios' distribution (`median_interval`). It exists from MIN_PAIRS (5) pairs on, where it is
+the lowest and highest ratio, so a steady machine settles after 5 pairs and a noisy one goes on.
+A ratio whose pairs ran out first (`timing.paired_steps`, or the run's end) is not settled, and the
+report marks it uncertain.
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 import os
 import statistics
 import time
@@ -37,8 +43,32 @@ from dataclasses import dataclass
 BUSY_SHARE = 0.10
 # The fewest steps that ran alone (after the pairs with the baseline) that give the run's step time.
 ALONE_STEPS = 5
-# The fewest pairs whose ratios' spread can settle the ratio.
-MIN_PAIRS = 8
+# How sure the pairs must make the median ratio before the pairing stops (`median_interval`).
+CONFIDENCE = 0.9
+
+
+def median_interval_rank(n: int, confidence: float = CONFIDENCE) -> int | None:
+    """The largest k for which the k-th lowest and the k-th highest of n values cover their
+    distribution's median with at least `confidence`, whatever that distribution: each value
+    falls below the median with probability 1/2, so the pair misses it with probability
+    2 P(Binomial(n, 1/2) < k). None where even the lowest and the highest do not (n < 5 at 90%)."""
+    ranks = [k for k in range(1, n // 2 + 1)
+             if 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n >= confidence]
+    return ranks[-1] if ranks else None
+
+
+def median_interval(values: list[float]) -> tuple[float, float] | None:
+    """A CONFIDENCE interval of the median of `values`' distribution (median_interval_rank), or
+    None where there are too few values for one."""
+    k = median_interval_rank(len(values))
+    if k is None:
+        return None
+    ordered = sorted(values)
+    return ordered[k - 1], ordered[-k]
+
+
+# The fewest pairs that have a median interval (5): the pairing can settle from then on.
+MIN_PAIRS = next(n for n in itertools.count(1) if median_interval_rank(n) is not None)
 
 
 def machine_cpu_ticks() -> tuple[int, int] | None:
@@ -135,17 +165,21 @@ def paired_timing(step_times: list[float], untracked: list[int], baseline_times:
                   unpaired: str | None, spread: float) -> dict:
     """The run's time against its baseline's, from the untracked steps past warm-up that ran
     beside one of the baseline's steps (memexp.paired.PairedBaseline): the median of the
-    step-by-step ratios, their interquartile range, and whether it is within `spread` of the
-    median over at least MIN_PAIRS pairs (`settled`); else why there is none."""
+    step-by-step ratios, their interquartile range, and whether the median's CONFIDENCE interval
+    (median_interval) is within `spread` of it on either side (`settled`); else why there is
+    none."""
     candidates = set(untracked)
     pairs = {step: seconds for step, seconds in baseline_times if step in candidates}
     if not pairs:
         return {"skipped": unpaired or "no timed step ran beside a baseline step"}
-    q1, ratio, q3 = quartiles([step_times[step - 1] / seconds for step, seconds in pairs.items()])
+    ratios = [step_times[step - 1] / seconds for step, seconds in pairs.items()]
+    q1, ratio, q3 = quartiles(ratios)
+    interval = median_interval(ratios)
     paired = {"steps": step_ranges(sorted(pairs)),
               "baseline_step_time_s": statistics.median(pairs.values()),
               "ratio": ratio, "ratio_iqr": [q1, q3],
-              "settled": len(pairs) >= MIN_PAIRS and q3 - q1 <= spread * ratio}
+              "settled": interval is not None and ratio * (1 - spread) <= interval[0]
+              and interval[1] <= ratio * (1 + spread)}
     return paired | ({"stopped": unpaired} if unpaired else {})  # a baseline that failed later
 
 
