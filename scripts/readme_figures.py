@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from memexp.rows import UNCERTAIN
+
 REPO = Path(__file__).resolve().parents[1]
 # The pages that hold generated figures.
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -92,12 +94,17 @@ def quick(work: Path) -> dict[str, str]:
     same_loss = base["final_loss"] == full["final_loss"] == offload["final_loss"]
 
     def ratio(row: dict, key: str) -> str:
-        return f"{float(row[key]):.2f}x" if row[key] else "no ratio"
+        # a time ratio keeps the table's mark where it cannot be trusted (report.csv's doubt)
+        doubt = key == "step_time_x_base" and row["step_time_doubt"]
+        return (f"{float(row[key]):.2f}x{UNCERTAIN if doubt else ''}" if row[key]
+                else "no ratio")
 
     kept = "exactly where it was" if same_loss else "changed"
     paired = full["step_time_x_base_paired"] == offload["step_time_x_base_paired"] == "True"
     timed = ("each timed beside the baseline in its job's process, untracked; the brackets "
              "give the spread" if paired else "the medians of separate runs, untracked")
+    if full["step_time_doubt"] or offload["step_time_doubt"]:
+        timed += f"; {UNCERTAIN} marks a ratio the table says why not to trust"
     prose = (f"Checkpointing and offload leave the loss {kept} "
              f"(same math) and cut the peak to {ratio(full, 'memory_x_base')} and "
              f"{ratio(offload, 'memory_x_base')}, for {ratio(full, 'step_time_x_base')} and "
