@@ -236,11 +236,13 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
 
 def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
     """A terminal's Ctrl-C: SIGINT to the sweep's whole process group. The running job gets it
-    more than once (from the terminal; passed on by submitit's controller, and with preload by
-    the job's client), when they come: here, to be sure one comes while the job writes its
-    record, the test passes one on every millisecond until the job ends. It still records
-    `interrupted`. Both ways a local job runs, as two sweeps side by side, each interrupted
-    once its job has logged a step."""
+    more than once (from the terminal; passed on by the launcher, and with preload by the
+    job's client), when they come: here, to be sure one comes while the job writes its record,
+    the test passes one on every millisecond until the job ends. And a loaded machine may not
+    run the job for seconds: here it is stopped (SIGSTOP) when the Ctrl-C comes, for 2 s.
+    submitit's controller SIGKILLs its task 1 s after passing a Ctrl-C on; the job must still
+    record `interrupted`, with its figures. Both ways a local job runs, as two sweeps side by
+    side, each interrupted once its job has logged a step."""
     sweeps = {}
     try:
         for preload in ("true", "false"):
@@ -253,6 +255,7 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
                      "trainer.max_steps=1000000", "trainer.log_every=1", "optim=sgd"],
                     stdout=out, stderr=subprocess.STDOUT, cwd=tmp_path, env=TRAIN_PY_ENV,
                     preexec_fn=default_sigint, start_new_session=True)
+        jobs = {}
         for sweep_dir, process in sweeps.items():
             metrics = sweep_dir / "0" / "metrics.csv"  # its header, then a row a step: training
             while not (metrics.exists() and len(metrics.read_text().splitlines()) > 1):
@@ -260,8 +263,14 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
                 time.sleep(0.05)
             # the job's process, which holds its run folder (a pidfd: never another's pid)
             holder = (sweep_dir / "0" / ".memexp.lock").read_text()
-            job = os.pidfd_open(int(re.fullmatch(r"pid (\d+) on .*", holder)[1]))
+            jobs[sweep_dir] = os.pidfd_open(int(re.fullmatch(r"pid (\d+) on .*", holder)[1]))
+            signal.pidfd_send_signal(jobs[sweep_dir], signal.SIGSTOP)
             os.killpg(process.pid, signal.SIGINT)
+        time.sleep(2)  # the jobs stay stopped, with their Ctrl-C pending
+        for job in jobs.values():
+            with contextlib.suppress(ProcessLookupError):  # killed meanwhile: the test fails
+                signal.pidfd_send_signal(job, signal.SIGCONT)
+        for job in jobs.values():
             with contextlib.suppress(ProcessLookupError):  # reaped already
                 while not select.select([job], [], [], 0.001)[0]:  # readable once it ended
                     signal.pidfd_send_signal(job, signal.SIGINT)
@@ -271,6 +280,7 @@ def test_ctrl_c_on_a_sweep_records_its_running_job_as_interrupted(tmp_path):
             record = results(sweep_dir)["0"]
             assert record["status"] == "interrupted", (sweep_dir / "out").read_text()[-3000:]
             assert "KeyboardInterrupt" in record["error"] and record["metrics"]["steps"] >= 1
+            assert record["memory"]["peak_bytes"] > 0
     finally:
         for process in sweeps.values():
             with contextlib.suppress(ProcessLookupError):

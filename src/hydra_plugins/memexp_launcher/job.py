@@ -37,6 +37,9 @@ def main(argv: list[str]) -> None:
     # Threads started from here on inherit the blocked signal; let_in() unblocks it in the main
     # thread, the one where Python runs signal handlers.
     hold_back()
+    # The local launcher starts submitit's controller with SIGINT blocked, and a task inherits
+    # that: the job takes a Ctrl-C itself (memexp_launcher.launcher.LocalLauncher._submit).
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     submitit_private.run_entry(submitit_private.job_folder(argv, __spec__.name))
     # submitit has written the job's result: what is left is the interpreter's finalization.
     from memexp.errors import exit_done

@@ -24,11 +24,13 @@ plugin module at each start, to discover its plugins.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -51,6 +53,9 @@ log = logging.getLogger(__name__)
 # Keys that are this launcher's own, or submitit's executor-construction arguments.
 NOT_JOB_PARAMETERS = {"submitit_folder", "max_num_timeout", "parallel_jobs", "array_parallelism",
                       "preload", "heartbeat_s"}
+# What a local job is given after a Ctrl-C to record that it was interrupted, before it is
+# killed (SLURM's KillWait gives its jobs 30 s between SIGTERM and SIGKILL by default).
+INTERRUPT_GRACE_S = 30
 # submitit's <python> for every job: the job module holds the time-out signal back first.
 JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher.job"
 # The same job, forked from a server that has imported torch and memexp (see preloaded).
@@ -180,14 +185,24 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                      for i, (overrides, number) in enumerate(chunk)}
             for _, number in chunk:
                 log.info(f"{names[number]}: {self._STARTED}")
-            for job, (overrides, number) in zip(submitted, chunk, strict=True):
-                result_file = job_dir(configs[number]) / "result.json"
-                heartbeat = Heartbeat(names[number], job, submitted_at,
-                                      self.params["heartbeat_s"])
-                returns.append(self._outcome(job, overrides, number, result_file, heartbeat))
-                log.info(self._ended(names[number], result_file, returns[-1].return_value,
-                                     time.monotonic() - submitted_at))
+            running = [(job, job_dir(configs[number]) / "result.json", overrides, number)
+                       for job, (overrides, number) in zip(submitted, chunk, strict=True)]
+            try:
+                for job, result_file, overrides, number in running:
+                    heartbeat = Heartbeat(names[number], job, submitted_at,
+                                          self.params["heartbeat_s"])
+                    returns.append(self._outcome(job, overrides, number, result_file, heartbeat))
+                    log.info(self._ended(names[number], result_file, returns[-1].return_value,
+                                         time.monotonic() - submitted_at))
+            except KeyboardInterrupt:
+                self._interrupted([(job, result_file, overrides)
+                                   for job, result_file, overrides, _ in running])
+                raise
         return returns
+
+    def _interrupted(self, jobs: list[tuple]) -> None:
+        """Ctrl-C while `jobs` (job, its result.json, its overrides) ran: SLURM's go on in
+        the cluster (scancel stops them, and they record it)."""
 
     def _ended(self, job: str, result_file: Path, status: str, seconds: float) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
@@ -400,6 +415,46 @@ class LocalLauncher(_SurvivingLauncher):
             config.trainer.threads = self._threads
         return config
 
+    def _submit(self, executor, arguments: list[tuple]) -> list:
+        # submitit's controller takes a Ctrl-C by passing it on to its task and SIGKILLing the
+        # task a second later: a job that needs longer to record that it was interrupted (on a
+        # loaded machine) would be left `running`, its figures lost. Started with SIGINT
+        # blocked, a mask its children inherit, the controller never takes one; each job
+        # unblocks it first thing (job.py, the preloaded client) and takes the terminal's own,
+        # and this launcher gives it its time (_interrupted).
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            return super()._submit(executor, arguments)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+
+    def _interrupted(self, jobs: list[tuple]) -> None:
+        """Ctrl-C while `jobs` ran. Each job still running is passed the SIGINT (a job takes
+        only its first, so one the terminal gave it too is no second) and given
+        INTERRUPT_GRACE_S to record that it was interrupted and end; one still running then,
+        or at a second Ctrl-C, is killed. A job that ended without its own record (killed, or
+        interrupted before its run began) is recorded `interrupted` here."""
+        from memexp.result import record_killed
+
+        running = [(job, *rest) for job, *rest in jobs if not job.done()]
+        if not running:
+            return
+        for job, *_ in running:
+            signal_tasks(job, signal.SIGINT)
+        log.warning(f"Ctrl-C: {len(running)} running job(s) record that they were interrupted; "
+                    f"waiting up to {INTERRUPT_GRACE_S} s for them (Ctrl-C again kills them)")
+        deadline = time.monotonic() + INTERRUPT_GRACE_S
+        with contextlib.suppress(KeyboardInterrupt):
+            while time.monotonic() < deadline and not all(job.done() for job, *_ in running):
+                time.sleep(0.05)
+        for job, result_file, overrides in running:
+            reason = "KeyboardInterrupt: Ctrl-C; the job ended before it recorded it"
+            if not job.done():
+                signal_tasks(job, signal.SIGKILL)
+                reason = (f"KeyboardInterrupt: Ctrl-C; the job had not recorded it and ended "
+                          f"{INTERRUPT_GRACE_S} s later, or at a second Ctrl-C, and was killed")
+            record_killed(result_file, overrides, reason, status="interrupted")
+
     def _executor(self, submitit):
         # The local executor itself, not submitit's AutoExecutor: only it takes fractions of a
         # minute for timeout_min, and signal_delay_s.
@@ -424,6 +479,19 @@ class LocalLauncher(_SurvivingLauncher):
         while not job.done():
             heartbeat()
             time.sleep(0.02)
+
+
+def signal_tasks(job, signum: signal.Signals) -> None:
+    """Send `signum` to a local job's tasks: the children of its submitit controller, whose pid
+    is the job's id (with preload, each task is the client that passes a signal on, and whose
+    SIGKILL its server passes on as one)."""
+    try:
+        children = Path(f"/proc/{job.job_id}/task/{job.job_id}/children").read_text().split()
+    except OSError:  # the controller has ended
+        return
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(int(pid), signum)
 
 
 def signal_delay(timeout_min: int) -> int:
