@@ -61,3 +61,12 @@ def test_exit_handlers_run_once_before_an_exit_without_finalization():
               "os._exit(0)\n")
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert (done.returncode, done.stdout) == (0, "handler ran\n"), done.stderr
+
+
+def test_a_local_job_s_results_can_be_read_without_submitit_s_wait(tmp_path):
+    executor = submitit.LocalExecutor(folder=tmp_path)
+    job = executor.submit(int, "1")
+    assert job.result() == 1
+    assert job._results_timeout_s > 0, "submitit no longer waits for a job's result file"
+    submitit_private.results_at_once(job)
+    assert job._results_timeout_s == 0

@@ -70,7 +70,7 @@ def test_tf32_on_cpu_is_a_clear_error():
 
 # -- effect: the meter ---------------------------------------------------------------------------
 @pytest.mark.parametrize("precision", ["amp", "bf16"])
-@pytest.mark.parametrize("model", [("model.width=16", "data.batch_size=32"), TOKENS],
+@pytest.mark.parametrize("model", [("model.width=8", "data.batch_size=8"), TOKENS],
                          ids=["resnet", "transformer"])
 def test_mixed_precision_activations_are_at_most_70_percent_of_fp32(model, precision):
     fp32 = step_memory(*model)["activations_peak_bytes"]

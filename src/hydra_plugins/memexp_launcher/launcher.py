@@ -46,6 +46,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 
 from hydra_plugins.memexp_launcher import server
 from memexp.adapters import hydra as hydra_private
+from memexp.adapters import submitit as submitit_private
 from memexp.adapters.hydra import IConfigRepository
 
 log = logging.getLogger(__name__)
@@ -479,6 +480,7 @@ class LocalLauncher(_SurvivingLauncher):
         while not job.done():
             heartbeat()
             time.sleep(0.02)
+        submitit_private.results_at_once(job)
 
 
 def signal_tasks(job, signum: signal.Signals) -> None:

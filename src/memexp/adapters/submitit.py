@@ -36,3 +36,11 @@ def command_of(executor) -> str:
     """The command an executor starts each task with (private: `_submitit_command_str`),
     for the test that it still ends with APPENDED and the folder."""
     return executor._submitit_command_str
+
+
+def results_at_once(job) -> None:
+    """Have `job.results()` look for the job's result file once, not for 15 s (private:
+    `Job._results_timeout_s`, a wait for a shared file system's lag). Only for a job whose
+    process has ended on this machine: its result was written before it exited, or never will
+    be, and a killed local job held its sweep up 15 s for nothing."""
+    job._results_timeout_s = 0
