@@ -380,8 +380,7 @@ def refusal(cfg: DictConfig, target: str) -> str | None:
     on the classes: memexp.techniques.check_combination), or None. The options alone are
     built, no model; the parallel option as its class, which states what the rules read
     (building it joins a process group)."""
-    options = {group: build(cfg[group]) for group in
-               ("precision", "optim", "bn_mode", "checkpointing", "compile", "adapter")}
+    options = {group: build(cfg[group]) for group in registry.techniques() if group != "parallel"}
     parallel = get_class(cfg.parallel._target_)
     try:
         check_combination(**options, parallel=parallel, device=torch.device(target))

@@ -196,14 +196,13 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                     log.info(self._ended(names[number], result_file, returns[-1].return_value,
                                          time.monotonic() - submitted_at))
             except KeyboardInterrupt:
-                self._interrupted([(job, result_file, overrides)
-                                   for job, result_file, overrides, _ in running])
+                self._interrupted(running)
                 raise
         return returns
 
     def _interrupted(self, jobs: list[tuple]) -> None:
-        """Ctrl-C while `jobs` (job, its result.json, its overrides) ran: SLURM's go on in
-        the cluster (scancel stops them, and they record it)."""
+        """Ctrl-C while `jobs` (job, its result.json, its overrides, its number) ran: SLURM's
+        go on in the cluster (scancel stops them, and they record it)."""
 
     def _ended(self, job: str, result_file: Path, status: str, seconds: float) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
@@ -437,7 +436,7 @@ class LocalLauncher(_SurvivingLauncher):
         interrupted before its run began) is recorded `interrupted` here."""
         from memexp.result import record_killed
 
-        running = [(job, *rest) for job, *rest in jobs if not job.done()]
+        running = [entry for entry in jobs if not entry[0].done()]
         if not running:
             return
         for job, *_ in running:
@@ -448,7 +447,7 @@ class LocalLauncher(_SurvivingLauncher):
         with contextlib.suppress(KeyboardInterrupt):
             while time.monotonic() < deadline and not all(job.done() for job, *_ in running):
                 time.sleep(0.05)
-        for job, result_file, overrides in running:
+        for job, result_file, overrides, _ in running:
             reason = "KeyboardInterrupt: Ctrl-C; the job ended before it recorded it"
             if not job.done():
                 signal_tasks(job, signal.SIGKILL)
