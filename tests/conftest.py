@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+# ruff: noqa: E402  (the imports below come after the collector is turned off)
+import gc
+
+# Python's collector stays off while this module and the test modules import torch,
+# transformers and the rest, until the tests are collected (collected()): what
+# memexp.permanent_imports does for train.py, across pytest's hooks.
+gc.disable()
+
 import os
 import queue
 import shutil
@@ -146,12 +154,20 @@ def run_lane() -> None:
             pass
 
 
+def collected() -> None:
+    """The imports are done: what they made is frozen, and the collector back on."""
+    gc.freeze()
+    gc.enable()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if not XDIST_WORKER and config.getoption("numprocesses", None):  # xdist's controller
         os.environ[SHARED] = tempfile.mkdtemp(prefix="memexp-tests-shared-")  # workers inherit it
+        collected()  # it collects no tests
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    collected()
     used = {name for item in session.items for name in getattr(item, "fixturenames", ())}
     chosen = [work for name, work in EARLY.items() if name in used]
     if XDIST_WORKER:

@@ -182,11 +182,13 @@ def test_train_py_starts_the_sweeps_server_first_and_the_launcher_takes_or_disca
     """`python train.py -m` starts the preloaded server before its own imports. The local
     launcher takes that one: one server (one socket) for the whole sweep, its jobs forked from
     it, though the sweep's process set HYDRA_FULL_ERROR since. With
-    hydra.launcher.preload=false none is used, and none is left once the first job has begun."""
+    hydra.launcher.preload=false none is used, and none is left once the first job has begun
+    (one job shows that: each starts a fresh interpreter)."""
     sweep_dir = tmp_path / "sweep"
     env = {**os.environ, "TMPDIR": str(tmp_path), "HYDRA_FULL_ERROR": "0"}
     command = [sys.executable, str(REPO / "train.py"), "-m", f"hydra.sweep.dir={sweep_dir}",
-               f"hydra.launcher.preload={str(preload).lower()}", "optim=sgd,adamw",
+               f"hydra.launcher.preload={str(preload).lower()}",
+               "optim=sgd,adamw" if preload else "optim=sgd",
                "debug=fast", "data.batch_size=8", "data.num_eval=64", "model.width=4"]
     seen, once_a_job_began = set(), set()  # the servers' sockets
     with open(tmp_path / "out", "w") as out:

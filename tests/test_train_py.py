@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from memexp import permanent_imports
 
 from conftest import REPO, TRAIN_PY_ENV, Background, Ran, Together, early, train_py
 
@@ -159,3 +162,19 @@ def test_cuda_request_without_a_gpu_fails_and_records_it(runs):
     result = json.loads((folder / "run" / "result.json").read_text())
     assert result["status"] == "failed"
     assert "trainer.device=cuda" in result["error"]
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_what_train_py_imports_is_frozen_and_the_collector_left_as_it_was(enabled):
+    """train.py, a job's process and the preloaded server import under permanent_imports: no
+    collection runs while the imports do, none walks what they made afterwards."""
+    (gc.enable if enabled else gc.disable)()
+    try:
+        before = gc.get_freeze_count()
+        with permanent_imports():
+            assert not gc.isenabled()
+            made = [[] for _ in range(1000)]  # what an import leaves: objects the collector tracks
+        assert gc.get_freeze_count() >= before + len(made)
+        assert gc.isenabled() is enabled
+    finally:
+        gc.enable()

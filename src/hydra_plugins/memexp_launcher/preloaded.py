@@ -35,7 +35,6 @@ fork copies only the thread that forks).
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import select
@@ -46,6 +45,7 @@ import threading
 
 from hydra_plugins.memexp_launcher import job
 from hydra_plugins.memexp_launcher.server import SOCKET_VARIABLE
+from memexp import permanent_imports
 
 # Read after the fork, or by the job itself, never by an import: what submitit's controller
 # sets for each task, and what memexp's main sets around Hydra's (memexp.errors.main).
@@ -158,23 +158,6 @@ def run_job(request: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-def preload() -> None:
-    """What every job imports: torch and memexp's app, its trainer with it. Imported here, in
-    the server, and never by the clients, which import this module too."""
-    # torch._dynamo: torch.optim's first optimizer imports it (torch.optim.Optimizer.__init__),
-    # 1.6 s of CPU on 2 cores that each job would pay again
-    import submitit  # noqa: F401
-    import torch
-    import torch._dynamo  # noqa: F401
-
-    import hydra_plugins.memexp_launcher.launcher  # noqa: F401
-    import memexp.app  # noqa: F401
-
-    if torch.cuda.is_initialized():  # a forked child could not use CUDA: no server, then
-        raise SystemExit("memexp: the preloaded server initialized CUDA while importing; "
-                         "jobs start fresh interpreters")
-
-
 def serve(listener_fd: int) -> None:
     # A job is forked with these blocked, so that none comes before it is ready for it. The
     # server takes none itself: a Ctrl-C is for the sweep and its jobs.
@@ -183,11 +166,15 @@ def serve(listener_fd: int) -> None:
     listener.set_inheritable(False)  # as a socket of its own would be: no child keeps it open
     # as it was before the imports: a fresh job starts from the same, and sets the same
     own_env = import_time_environment(dict(os.environ))
-    preload()
-    # What the imports made lives as long as any job does: frozen, a job's full collections
-    # never walk it (190,000 objects: 0.15 s a collection on 2 cores, and a copy of each page
-    # it touches).
-    gc.freeze()
+    # What the imports make lives as long as any job does: frozen, a job's full collections
+    # never walk it, nor touch (and so copy) its pages.
+    with permanent_imports():
+        job.preload()
+    import torch  # imported already, by job.preload(); never by a client
+
+    if torch.cuda.is_initialized():  # a forked child could not use CUDA: no server, then
+        raise SystemExit("memexp: the preloaded server initialized CUDA while importing; "
+                         "jobs start fresh interpreters")
     # SIGCHLD wakes the loop up through this pipe: a job that ended is reported at once.
     wake_read, wake_write = os.pipe()
     os.set_blocking(wake_write, False)
