@@ -25,12 +25,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
 from omegaconf import DictConfig, OmegaConf
 
 from memexp import cudatrace
-from memexp.config import config_dir
 from memexp.distributed import destroy_process_group
+from memexp.estimate import compose_config
 
 REPO = Path(__file__).resolve().parents[1]
 # The same for the runs tests start (train.py, sweeps, SLURM jobs inherit it), unless set.
@@ -250,8 +249,7 @@ class Together:
 
 
 def compose_train(*overrides: str) -> DictConfig:
-    with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
-        return compose("train", overrides=[*CPU_SMALL, *overrides])
+    return compose_config([*CPU_SMALL, *overrides])
 
 
 def job(run_dir: Path, *overrides: str) -> dict:

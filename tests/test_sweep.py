@@ -410,7 +410,7 @@ def test_each_jobs_config_is_composed_once_for_the_sweepers_check_and_the_launch
 
 def test_a_sweeps_composes_read_each_config_once_and_give_what_hydra_alone_gives(
         tmp_path, monkeypatch):
-    """ComposedOnce's composes share one SweepRepository, which reads each config once for the
+    """ComposedOnce's composes share one SharedRepository, which reads each config once for the
     sweep: they equal a plain loader's. A compose that sets hydra.searchpath reads its own
     search path, which the next compose does not see."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl

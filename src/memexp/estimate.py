@@ -51,6 +51,7 @@ from dataclasses import dataclass, field
 
 import torch
 from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
 from hydra.utils import get_class, get_object
 from omegaconf import DictConfig, OmegaConf, open_dict
 from torch import nn
@@ -69,6 +70,7 @@ from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
 
 from memexp import cudatrace, registry
+from memexp.adapters import hydra as hydra_private
 from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
@@ -264,9 +266,17 @@ def value_dependent(func, what: str) -> str:
             "+model.config key for it, as problem_type picks the loss of a classifier)")
 
 
+# The config files compose_config has parsed, for every later compose in this process (plan
+# composes each candidate; 0.27 s a compose without them, 0.15 s with).
+_PARSED: dict = {}
+
+
 def compose_config(overrides: list[str]) -> DictConfig:
     """The config `python train.py <overrides>` would run."""
     with initialize_config_dir(config_dir=str(config_dir()), version_base="1.3"):
+        hydra_private.wrap_repository(
+            GlobalHydra.instance().config_loader(),
+            lambda repository: hydra_private.SharedRepository(repository, _PARSED))
         return compose("train", overrides=overrides)
 
 

@@ -37,7 +37,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hydra.core.object_type import ObjectType
 from hydra.core.singleton import Singleton
 from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 from hydra_plugins.hydra_submitit_launcher.config import BaseQueueConf
@@ -47,7 +46,6 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from hydra_plugins.memexp_launcher import server
 from memexp.adapters import hydra as hydra_private
 from memexp.adapters import submitit as submitit_private
-from memexp.adapters.hydra import IConfigRepository
 
 log = logging.getLogger(__name__)
 
@@ -63,64 +61,17 @@ JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m hydra_plugins.memexp_launcher
 PRELOADED_JOB_PYTHON = f"{shlex.quote(sys.executable)} -u -m {server.SERVER_MODULE}"
 
 
-class SweepRepository(IConfigRepository):
-    """Hydra's config repository for one sweep's composes: each config file is parsed, and each
-    schema copied out of Hydra's ConfigStore, once for them all; each compose gets a copy of
-    its own. Hydra caches them only within one compose (CachingConfigRepository), around a deep
-    copy of the whole repository, the ConfigStore included: 0.27 s a compose here, 0.15 s with
-    this. A compose that sets its own search path (hydra.searchpath) gets a repository and a
-    cache of its own."""
-
-    def __init__(self, repository: IConfigRepository, cache: dict | None = None):
-        self._repository = repository
-        self._cache = {} if cache is None else cache
-
-    def __deepcopy__(self, memo) -> SweepRepository:
-        # each compose's CachingConfigRepository copies it, to set a search path on the copy
-        return SweepRepository(self._repository, self._cache)
-
-    def __getstate__(self) -> dict:
-        return {"_repository": self._repository, "_cache": {}}  # jobs compose nothing
-
-    def initialize_sources(self, config_search_path) -> None:
-        self._repository, self._cache = copy.deepcopy(self._repository), {}
-        self._repository.initialize_sources(config_search_path)
-
-    def load_config(self, config_path: str):
-        if config_path not in self._cache:
-            self._cache[config_path] = self._repository.load_config(config_path)
-        loaded = copy.copy(self._cache[config_path])
-        if loaded is not None:  # a compose changes what it loaded, as Hydra's ConfigStore says
-            loaded.config = copy.deepcopy(loaded.config)
-        return loaded
-
-    def get_schema_source(self):
-        return self._repository.get_schema_source()
-
-    def group_exists(self, config_path: str) -> bool:
-        return self._repository.group_exists(config_path)
-
-    def config_exists(self, config_path: str) -> bool:
-        return self._repository.config_exists(config_path)
-
-    def get_group_options(self, group_name: str, results_filter=ObjectType.CONFIG) -> list[str]:
-        return self._repository.get_group_options(group_name, results_filter)
-
-    def get_sources(self) -> list:
-        return self._repository.get_sources()
-
-
 class ComposedOnce:
     """The sweep's config loader, keeping each job's config from the sweeper's check of its batch
     (Hydra's Sweeper.validate_batch_is_legal composes every job's config before the launch)
     until the launcher takes it, so that each job's config is composed once, not twice (0.4 s a
-    job on 2 cores); its composes share one SweepRepository. Everything else goes to the loader
+    job on 2 cores); its composes share one SharedRepository. Everything else goes to the loader
     it wraps."""
 
     def __init__(self, loader):
         self._loader = loader
         self._composed: dict[tuple, DictConfig] = {}
-        hydra_private.wrap_repository(loader, SweepRepository)
+        hydra_private.wrap_repository(loader, hydra_private.SharedRepository)
 
     def load_sweep_config(self, master_config: DictConfig, sweep_overrides: list[str]):
         key = (id(master_config), tuple(sweep_overrides))
