@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +22,7 @@ from hydra import compose, initialize_config_dir
 from hydra._internal.callbacks import Callbacks
 
 from memexp import checkpoint, cli
-from memexp.app import run_config
+from memexp.app import Terminated, interrupted_once, run_config, sigterm_raises
 from memexp.checkpoint import ResumeRefused
 from memexp.config import config_dir
 from memexp.data import cifar10, mnist
@@ -263,6 +264,36 @@ def test_a_signalled_run_records_how_it_ended(tmp_path, signum, status):
     assert result["metrics"]["steps"] >= 2  # what it did before the signal, measured
     assert process.returncode == (128 + signal.SIGTERM if signum == signal.SIGTERM
                                   else -signal.SIGINT)
+
+
+@pytest.mark.parametrize(("signum", "raised", "arms"), [
+    (signal.SIGINT, KeyboardInterrupt, interrupted_once),
+    (signal.SIGTERM, Terminated, sigterm_raises)], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_that_lands_in_a_finalizer_still_stops_the_run(signum, raised, arms):
+    """Its handler runs inside a weakref callback (the memory tracker frees every storage in
+    one), where Python prints what it raises and goes on: the run must stop all the same."""
+    ours = signal.signal(signum, {signal.SIGINT: signal.default_int_handler,
+                                  signal.SIGTERM: signal.SIG_DFL}[signum])  # a run's own start
+    lost = []
+
+    class Storage:
+        pass
+
+    def freed(ref) -> None:
+        lost.append(signum)
+        signal.raise_signal(signum)  # its handler runs here, inside the callback
+
+    try:
+        with pytest.raises(raised), arms():
+            storage = Storage()
+            ref = weakref.ref(storage, freed)
+            del storage
+            assert lost == [signum] and ref() is None
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline:  # where the signal's exception can stop the run
+                time.sleep(0.001)
+    finally:
+        signal.signal(signum, ours)
 
 
 def test_a_sigterm_handler_someone_else_installed_is_left_alone(tmp_path):

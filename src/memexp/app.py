@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import signal
 import sys
 import threading
@@ -74,7 +75,8 @@ def sigterm_raises() -> Iterator[None]:
 
     signal.signal(signal.SIGTERM, terminated)
     try:
-        yield
+        with raised_again_where_lost(signal.SIGTERM, terminated, Terminated):
+            yield
     finally:
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
@@ -103,9 +105,36 @@ def interrupted_once() -> Iterator[None]:
 
     signal.signal(signal.SIGINT, interrupted)
     try:
-        yield
+        with raised_again_where_lost(signal.SIGINT, interrupted, KeyboardInterrupt):
+            yield
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+@contextmanager
+def raised_again_where_lost(signum: int, handler, raised: type[BaseException]) -> Iterator[None]:
+    """A signal handler's exception (`raised`, by `handler`, which then stops raising) that
+    lands in a finalizer is lost: Python only prints an exception raised in a weakref callback
+    or a __del__, and goes on. The memory tracker frees every storage in one, so a run on the
+    CPU trained on after such a Ctrl-C, deaf to every later one (a local sweep's job was killed
+    30 s later, its figures lost). Here the handler is armed again, and the signal sent again
+    from another thread, 10 ms later: by then the finalizer has returned."""
+    previous = sys.unraisablehook
+
+    def lost(unraisable) -> None:
+        if not isinstance(unraisable.exc_value, raised):
+            previous(unraisable)
+            return
+        signal.signal(signum, handler)
+        again = threading.Timer(0.01, os.kill, (os.getpid(), signum))
+        again.daemon = True
+        again.start()
+
+    sys.unraisablehook = lost
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
 
 
 def run_config(cfg: DictConfig, run_dir: Path, choices: dict[str, str], overrides: list[str],
