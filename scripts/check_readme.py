@@ -35,7 +35,7 @@ REPO = Path(__file__).resolve().parents[1]
 SHORT_STEPS = 3
 # (what in the command, why it is not run here); the first that matches wins.
 SKIPS = [
-    ("make test", "the whole test suite (8 to 9 minutes on 2 idle cores); CI runs it as .ci/run"),
+    ("make test", "the whole test suite (7 to 8 minutes on 2 idle cores); CI runs it as .ci/run"),
     ("hydra/launcher=slurm", "needs a SLURM cluster (make slurm-up: root and the package "
                              "registry)"),
     ("make slurm-", "starts or stops SLURM daemons (root, the package registry)"),
