@@ -267,7 +267,7 @@ def value_dependent(func, what: str) -> str:
 
 
 # The config files compose_config has parsed, for every later compose in this process (plan
-# composes each candidate; 0.27 s a compose without them, 0.15 s with).
+# composes each candidate: 0.22 s of CPU a compose without them, 0.12 s with).
 _PARSED: dict = {}
 
 
