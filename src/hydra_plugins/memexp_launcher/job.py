@@ -39,11 +39,8 @@ def preload() -> None:
     launcher whose function the job's pickle names takes 14 ms more). The preloaded server
     imports it once, before it forks its jobs; a job in a fresh interpreter imports it before
     submitit loads its pickle."""
-    # torch._dynamo: torch.optim's first optimizer imports it (torch.optim.Optimizer.__init__),
-    # 1.6 s of CPU on 2 cores that each forked job would pay again
     import submitit  # noqa: F401
     import torch  # noqa: F401
-    import torch._dynamo  # noqa: F401
 
     import memexp.app  # noqa: F401
 
