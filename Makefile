@@ -68,7 +68,7 @@ slurm-down: ## stop the daemons slurm-up started
 	scripts/slurm-local down
 
 # Opt-in, and apart from the two set-up commands: a second venv with a CUDA build of torch
-# (about 5.5 GB), in which `memexp estimate --target cuda` traces CUDA's own ops on a fake
+# (6.3 GB), in which `memexp estimate --target cuda` traces CUDA's own ops on a fake
 # device (memexp.cudatrace); the fake device's C sources are built here with gcc.
 CUDA_VENV ?= .venv-cuda
 CUDA_TORCH ?= torch==2.14.1
@@ -77,10 +77,13 @@ CUDA_STAMP := $(CUDA_VENV)/.memexp-installed
 $(CUDA_STAMP): pyproject.toml
 	test -x $(CUDA_VENV)/bin/python || $(PYTHON) -m venv $(CUDA_VENV)
 	$(CUDA_VENV)/bin/python -m pip install --quiet $(CUDA_TORCH)
-	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[dev,lowbit]'
+	# every extra a CUDA run would use, so the trace models that run: peft for adapter=lora,
+	# bitsandbytes for adapter=qlora's Linear4bit (backend=auto picks it on CUDA), timm;
+	# torch pinned again, or timm's newest torchvision would trade it for another release
+	$(CUDA_VENV)/bin/python -m pip install --quiet -e '.[dev,lowbit,lora,qlora-cuda,timm]' $(CUDA_TORCH)
 	touch $@
 
-cuda-estimator: $(CUDA_STAMP) ## opt-in: .venv-cuda, a CUDA build of torch for CUDA-faithful estimates (~5.5 GB)
+cuda-estimator: $(CUDA_STAMP) ## opt-in: .venv-cuda, a CUDA build of torch for CUDA-faithful estimates (6.3 GB)
 	$(CUDA_VENV)/bin/python -c "from pathlib import Path; from memexp import fakecuda; \
 	print('fake CUDA device built in', fakecuda.build(Path('$(CUDA_VENV)/memexp-fakecuda')))"
 

@@ -440,8 +440,9 @@ def test_seq2seq_lm_sequences_end_in_the_models_eos_and_pad_with_its_pad_id(mode
     assert (mask == 0).any()  # padded, as data.padding=0.25 asks
     assert torch.equal(labels, ids.masked_fill(mask == 0, -100))
     # a config with no end-of-sequence id: named, with the key to set
-    with pytest.raises(ValueError, match=r"data.task=seq2seq_lm: its sequences end in .* "
-                                         r"\+model.config.eos_token_id"):
+    with pytest.raises(ValueError, match=r"data.task=seq2seq_lm: the synthetic batches hold "
+                                         r"the model's eos_token_id \(ending each sequence\), "
+                                         r".* not one id: set \+model.config.eos_token_id"):
         build(compose_train(*ENCODER_DECODERS[model], "+model.config.eos_token_id=null").data)
 
 
@@ -572,6 +573,32 @@ def test_the_estimate_of_audio_models_is_their_measured_peak(model, checkpointin
     # trace, so it skips the causal mask as the run does; CTC's loss runs on stand-ins
     assert estimate(cfg).memory["peak_bytes"] == pytest.approx(real, rel=0 if model == "whisper"
                                                                else 1e-4)
+
+
+# HuBERT and WavLM as published (wav2vec2's layout): a convolutional feature encoder of 7 layers
+# (a convolution, its norm and activation each: 6 of one class), then the transformer layers.
+def speech_model(arch: str, layers: int) -> tuple[str, ...]:
+    return ("model=hf", f"model.arch={arch}", "model.task=ctc", *(
+        f"+model.config.{key}={value}" for key, value in {
+            "hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
+            "intermediate_size": 64, "conv_dim": "[16,16,16,16,16,16,16]",
+            "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
+            "vocab_size": 32, "layerdrop": 0}.items()), *HF_DATA)
+
+
+@pytest.mark.parametrize("arch", ["hubert", "wavlm", "wav2vec2"])
+def test_auto_finds_the_encoder_layers_of_speech_models_at_any_depth(arch):
+    """With 6 or fewer encoder layers, auto took the feature encoder's 6 conv layers (the larger
+    group): checkpointing=full wrapped them, and selective_ops measured as none. Layers of
+    single ops outside every group of nested layers are not the blocks."""
+    names = {"hubert": "HubertEncoderLayer", "wavlm": "WavLMEncoderLayer",
+             "wav2vec2": "Wav2Vec2EncoderLayer"}
+    for layers in (2, 4, 6):
+        with torch.device("meta"):
+            model = build_model(compose_train(*speech_model(arch, layers)).model)
+        found = resolve_blocks(model, ["auto"], "checkpointing.blocks")
+        assert found.summary() == {"class": names[arch], "count": layers}
+        assert found.names == [f"{arch}.encoder.layers.{i}" for i in range(layers)]
 
 
 # wav2vec2's dropouts and SpecAugment off: a micro-batch draws other masks than the batch.

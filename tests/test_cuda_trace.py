@@ -330,3 +330,17 @@ def test_the_gpu_decides_the_attention_kernel():
     attention = {op for op in result["ops"]["forward"] if "attention" in op}
     assert attention == {"aten._scaled_dot_product_efficient_attention"}
     assert result["memory"]["cublas_workspace_bytes"] == 2 * (8 * MIB + 128 * 1024) + MIB
+
+
+@needs_cuda_build
+def test_torchvision_built_for_the_cuda_build_imports_beside_memexp_s_entry_point():
+    """The CUDA build's venv has the torchvision made for its torch (timm's extra), whose ops
+    load from `_C_stable` (torchvision 0.29 on): memexp's entry point, run at `import torch`,
+    must leave them to it. Declaring them as well aborted the process as torchvision registered
+    its own (a duplicate definition), and with it every CUDA estimate of a model=hf run."""
+    done = subprocess.run(
+        [str(CUDA_PYTHON), "-c", "import torch, torchvision; "
+         "print(torchvision.extension._has_ops())"],
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "True"

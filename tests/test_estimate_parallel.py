@@ -4,6 +4,10 @@ memexp's own meter."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import tracemalloc
 from pathlib import Path
 
 import pytest
@@ -12,6 +16,7 @@ import torch.distributed as dist
 
 from memexp import cli
 from memexp.estimate import compose_config, describe, estimate
+from memexp.estimate_parallel import MOST_RANKS, RANK_BYTES, check_world_size
 from memexp.gpus import gpu
 
 from conftest import CPU_SMALL, job, needs_cuda_build
@@ -103,6 +108,50 @@ def test_the_world_size_is_refused_where_it_cannot_be_estimated(capsys):
         dist.destroy_process_group()
 
 
+TINY_MLP = ("model=mlp", "model.hidden=8", "model.depth=1", "data.image_size=4",
+            "data.batch_size=4", "data.num_train=32", "data.num_eval=8")
+
+
+@pytest.mark.parametrize("option", ["ddp", "zero1", "fsdp"])
+def test_a_world_that_cannot_be_traced_is_refused_before_its_group_is_made(option):
+    """torch's init_process_group keeps a dict of every rank: at 10**9 ranks it grew past the
+    host's memory (OOM-killed, or a raw MemoryError) before the trace met any check. More ranks
+    than the samples (8 batches of 4 here) are refused before the group is made: the refusal
+    allocates less than the group's least bookkeeping for that world (RANK_BYTES a rank;
+    joining it first, as before, took 85 MB of Python objects at 10**6 ranks). More ranks than
+    c10d counts (2**31, a raw TypeError before) are refused by name."""
+    cfg = compose_config([*CPU_SMALL, *TINY_MLP, f"parallel={option}"])
+    with pytest.raises(ValueError, match="is more than the 32 training samples"):
+        estimate(cfg, world_size=9)  # the modules a trace imports, imported before it is measured
+    world = 10**6
+    tracemalloc.start()
+    try:
+        with pytest.raises(ValueError, match=rf"^data.batch_size=4 x {world} rank\(s\) is more "
+                                             r"than the 32 training samples$"):
+            estimate(cfg, world_size=world)
+        allocated = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert allocated < world * RANK_BYTES and not dist.is_initialized()
+    with pytest.raises(ValueError, match=r"^--world-size 2147483648: more ranks than torch's "
+                                         r"process groups count \(a C int: at most 2147483647\)$"):
+        estimate(cfg, world_size=2**31)
+
+
+def test_more_ranks_than_the_machine_can_hold_the_groups_bookkeeping_of_are_refused():
+    """The bound is this machine's physical memory over RANK_BYTES: the first world past it is
+    refused in one line, with the figures; a world within it is left to the other checks."""
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    beyond = min(memory // RANK_BYTES + 1, MOST_RANKS)
+    if beyond == MOST_RANKS:
+        pytest.skip("this machine's memory holds the bookkeeping of as many ranks as c10d counts")
+    with pytest.raises(ValueError, match=rf"^--world-size {beyond}: more ranks than a process "
+                                         r"group can hold on this machine: torch keeps at least "
+                                         rf"{RANK_BYTES} B .* GiB of memory$"):
+        check_world_size(beyond)
+    check_world_size(beyond - 1)
+
+
 @pytest.mark.slow
 def test_plan_at_world_size_2_picks_a_sharded_plan_that_fits_when_run(tmp_path, monkeypatch,
                                                                       capsys):
@@ -136,6 +185,32 @@ def test_plan_leaves_out_a_combination_train_py_refuses_and_says_why(capsys):
     assert "parallel=fsdp trainer.nproc=2: optim=adafactor with parallel=fsdp" in err
     assert ("left out 1 refused: optim=adafactor with parallel=fsdp: torch's Adafactor squares"
             in out)
+
+
+def test_plan_plans_each_world_size_once(capsys):
+    """--world-size 2,2 planned 2 ranks twice: every candidate estimated again."""
+    assert cli.main(["plan", "budget=1KiB", *CPU_SMALL, *TINY_MLP, "precision=fp32",
+                     "optim=adamw", "checkpointing=none", "optim.accumulate=1", "adapter=none",
+                     "parallel=ddp", "--world-size", "2,2"]) == 1  # nothing fits in 1 KiB
+    assert capsys.readouterr().err.count("memexp plan: settling") == 1
+
+
+def test_a_ranks_ddp_prints_no_advice_of_torchs_into_an_estimate(tmp_path):
+    """A rank's DDP searches for unused parameters; torch's reducer then printed, in C++ on
+    stderr, once a process, "find_unused_parameters=True was specified in DDP constructor, but
+    did not find any unused parameters": into `memexp estimate` and `memexp plan`. Once a
+    process, so a process of its own: the rank's DDP as the trace builds it, one step."""
+    script = ("import torch\n"
+              "from torch import nn\n"
+              "from memexp.estimate_parallel import fake_rank\n"
+              "from memexp.techniques.parallel import DDP\n"
+              "with fake_rank(0, 2):\n"
+              "    model = DDP().apply(nn.Linear(4, 4), None)\n"
+              "    model(torch.ones(2, 4)).sum().backward()\n")
+    ran = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert "find_unused_parameters" not in ran.stderr, ran.stderr
 
 
 # fully_shard's split of a parameter across ranks: even, uneven, fewer rows than ranks (padded

@@ -40,8 +40,9 @@ def records(path: Path) -> Iterator:
 
 
 def summary(path: Path) -> dict:
-    """What a run recorded: its run record's fields, config, logged metrics and exit code."""
-    found: dict = {"config": {}, "history": [], "exit_code": None}
+    """What a run recorded: its run record's fields, config, logged metrics, summary and exit
+    code."""
+    found: dict = {"config": {}, "history": [], "summary": {}, "exit_code": None}
     for record in records(path):
         kind = record.WhichOneof("record_type")
         if kind == "run":
@@ -55,6 +56,10 @@ def summary(path: Path) -> dict:
         elif kind == "history":
             found["history"].append({(item.key or "/".join(item.nested_key)):
                                      json.loads(item.value_json) for item in record.history.item})
+        elif kind == "summary":
+            for item in record.summary.update:
+                found["summary"][item.key or "/".join(item.nested_key)] = json.loads(
+                    item.value_json)
         elif kind == "exit":
             found["exit_code"] = record.exit.exit_code
     return found

@@ -140,13 +140,20 @@ class PinnedHostMemory(TorchDispatchMode):
     about the data pointer. fully_shard pins each shard as it shards, and at its first forward
     asks again of a narrowed view of it (FSDPParam.reset_sharded_param); answered for the one
     tensor object, it pinned a second copy then, made outside the offload's host_resident()
-    and so counted nowhere."""
+    and so counted nowhere.
+
+    `tensor.record_stream(stream)` is dropped: it tells the caching allocator that a side
+    stream uses the tensor's block, which a fake tensor has none of (torch's kernel reached the
+    real allocator). torchao's CPUOffloadOptimizer calls it on each gradient it copies to the
+    host on its stream (optim.offload_gradients)."""
 
     def __init__(self):
         super().__init__()
         self.pinned = WeakIdKeyDictionary()  # the pinned storages
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _ops.record_stream.default:
+            return None
         if func is _ops._pin_memory.default:
             pinned = args[0].clone()
             self.pinned[pinned.untyped_storage()] = True

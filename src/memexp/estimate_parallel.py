@@ -15,15 +15,25 @@ partitions unevenly: ZeRO's greedy partition of whole parameters can give any ra
 optimizer state. Rank 0 is traced first; where its option names another rank as holding more
 (Parallel.heaviest_rank), that rank is traced too, and the larger peak is reported, with the
 rank it is.
+
+What cannot be traced is refused before the group is made (`check_world_size`, and a rank's
+`check_samples`): torch's init_process_group keeps a dict of every rank, which at a billion ranks
+grows past the host's memory before any other check runs.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch import nn
+
+from memexp.quiet import c_stderr_dropped
 
 # torch's fake process-group backend (torch.testing._internal.distributed.fake_pg)
 FAKE_BACKEND = "fake"
@@ -47,6 +57,60 @@ def reduce_in_place(group: dist.ProcessGroup | None, bucket):
     return reduced
 
 
+# c10d's ProcessGroup takes its rank and size as C ints: torch refuses 2**31 ranks with a TypeError
+# ("incompatible constructor arguments").
+MOST_RANKS = 2**31 - 1
+# The least a rank costs this process before anything is traced: init_process_group's dict of the
+# world's ranks (pg_group_ranks, {rank: rank}) holds a dict entry (hash, key, value: 24 B) and an
+# int (28 B) for each. tracemalloc measures 66 B a rank at 10**7 ranks (0.66 GB, torch 2.13).
+RANK_BYTES = 24 + 28
+
+
+def check_world_size(world_size: int) -> None:
+    """Refuse a world that the fake process group cannot hold: more ranks than c10d counts, or
+    than this machine's physical memory holds torch's bookkeeping of (RANK_BYTES each)."""
+    if world_size > MOST_RANKS:
+        raise ValueError(f"--world-size {world_size}: more ranks than torch's process groups "
+                         f"count (a C int: at most {MOST_RANKS})")
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if world_size * RANK_BYTES > memory:
+        raise ValueError(
+            f"--world-size {world_size}: more ranks than a process group can hold on this "
+            f"machine: torch keeps at least {RANK_BYTES} B of bookkeeping for each rank (a dict "
+            f"of the world's ranks), {world_size * RANK_BYTES / 2**30:.1f} GiB for this world, "
+            f"and the machine has {memory / 2**30:.1f} GiB of memory")
+
+
+class OneProcess:
+    """What a trace of one process (no parallel option) is: in no process group."""
+
+    def check_samples(self, data) -> None:
+        """A process of its own takes every batch: the data's own checks suffice."""
+
+    def joined(self) -> AbstractContextManager:
+        return nullcontext()
+
+
+ONE_PROCESS = OneProcess()
+
+
+@dataclass(frozen=True)
+class FakeRank:
+    """What a trace of rank `rank` of `world_size` is: on a fake process group (fake_rank),
+    joined only after its data is known to have samples for every rank."""
+
+    rank: int
+    world_size: int
+
+    def check_samples(self, data) -> None:
+        """The rank's first batch, whose indices a real run's ranks would draw (refused where
+        data.batch_size x world_size is more than the training samples)."""
+        next(iter(data.train_batches(0, self.rank, self.world_size)))
+
+    def joined(self) -> AbstractContextManager:
+        return fake_rank(self.rank, self.world_size)
+
+
 @contextmanager
 def fake_rank(rank: int, world_size: int) -> Iterator[None]:
     """This process as rank `rank` of `world_size` on a fake process group, which the parallel
@@ -60,10 +124,25 @@ def fake_rank(rank: int, world_size: int) -> Iterator[None]:
 
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size)
     try:
+        _unused_parameter_warning_said()
         with _chunked_when_read():
             yield
     finally:
         dist.destroy_process_group()
+
+
+@functools.cache
+def _unused_parameter_warning_said() -> None:
+    """A rank's DDP searches for unused parameters (memexp.techniques.parallel.DDP: the search
+    keeps its first bucket layout), and torch's reducer then says, in C++ on stderr and once a
+    process (TORCH_WARN_ONCE), that the search found none and costs a run time: advice for a
+    run, printed into an estimate or a plan. It is said here first, on a model of one weight,
+    where it is dropped."""
+    ddp = nn.parallel.DistributedDataParallel(nn.Linear(1, 1), init_sync=False,
+                                              find_unused_parameters=True)
+    ddp.register_comm_hook(None, reduce_in_place)
+    with c_stderr_dropped():
+        ddp(torch.zeros(1, 1)).sum().backward()
 
 
 class Chunks(Sequence):

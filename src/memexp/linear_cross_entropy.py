@@ -7,6 +7,7 @@ Pure math on tensors: the head and the option live in memexp.models.head and mem
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -38,25 +39,57 @@ class Gradients:
         return self.rows is not None or self.weight is not None or self.bias is not None
 
 
-def chunk_loss(h: Tensor, w: Tensor, b: Tensor | None, targets: Tensor, keep: Tensor,
-               scale: Tensor, grads: Gradients, start: int) -> Tensor:
-    """One chunk's summed loss, its gradients added to `grads`: a function of its own, so that
-    its (chunk x vocabulary) tensor is gone before the next chunk's is made."""
-    # fp32 for the loss, as Hugging Face's loss upcasts the logits. The softmax is taken in
-    # place, over this one tensor: logsumexp would allocate a second.
-    logits = torch.nn.functional.linear(h, w, b).float()
+def softmax_loss(logits: Tensor, targets: Tensor, keep: Tensor, scale: Tensor,
+                 wanted: bool) -> tuple[Tensor, Tensor | None]:
+    """A chunk's summed loss from its fp32 `logits`, and, where `wanted`, its gradient with
+    respect to them (of the mean: `scale`), computed in place over them."""
+    # The softmax is taken in place, over this one tensor: logsumexp would allocate a second.
     targets = targets.clamp(min=0)[:, None]  # IGNORE rows count for nothing (keep)
     picked = logits.gather(1, targets)[:, 0]
     top = logits.amax(-1, keepdim=True)
     probs = logits.sub_(top).exp_()
     sums = probs.sum(-1, keepdim=True)
     total = (top + sums.log())[:, 0].sub_(picked).mul_(keep).sum()
-    if not grads.wanted():
-        return total
+    if not wanted:
+        return total, None
     # d loss / d logits = (softmax - one-hot) / counted, in place
     grad = probs.div_(sums)
     grad.scatter_add_(1, targets, -keep[:, None].float())
     grad.mul_((keep * scale)[:, None])
+    return total, grad
+
+
+def after_head(post: Callable[[Tensor], Tensor], logits: Tensor, targets: Tensor, keep: Tensor,
+               scale: Tensor, wanted: bool) -> tuple[Tensor, Tensor | None]:
+    """softmax_loss of the model's step after its head (`post`, memexp.models.head.PostHead)
+    taken on a chunk's head `logits`, and the gradient with respect to those logits: through
+    the step by autograd, on this chunk alone."""
+    with torch.enable_grad():
+        logits.requires_grad_(wanted)  # a leaf: made where autograd records nothing
+        out = post(logits)
+    # a copy: the softmax is taken in place, and the step may have saved its output
+    total, grad = softmax_loss(out.detach().to(torch.float32, copy=True), targets, keep, scale,
+                               wanted)
+    if grad is None:
+        return total, None
+    (grad,) = torch.autograd.grad(out, logits, grad.to(out.dtype))
+    return total, grad.float()
+
+
+def chunk_loss(h: Tensor, w: Tensor, b: Tensor | None, targets: Tensor, keep: Tensor,
+               scale: Tensor, grads: Gradients, start: int,
+               post: Callable[[Tensor], Tensor] | None) -> Tensor:
+    """One chunk's summed loss, its gradients added to `grads`: a function of its own, so that
+    its (chunk x vocabulary) tensor is gone before the next chunk's is made."""
+    # fp32 for the loss, as Hugging Face's loss upcasts the logits.
+    if post is None:
+        total, grad = softmax_loss(torch.nn.functional.linear(h, w, b).float(), targets, keep,
+                                   scale, grads.wanted())
+    else:
+        total, grad = after_head(post, torch.nn.functional.linear(h, w, b), targets, keep,
+                                 scale, grads.wanted())
+    if grad is None:
+        return total
     if grads.bias is not None:
         grads.bias += grad.sum(0)
     grad = grad.to(h.dtype)
@@ -84,13 +117,9 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                chunk: int) -> Tensor:
+                chunk: int, post: Callable[[Tensor], Tensor] | None) -> Tensor:
         dtype = compute_dtype(hidden)
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        targets = targets.reshape(-1)
-        counted = targets != IGNORE
-        # the mean over the counted targets, as F.cross_entropy's: nan where none counts
-        scale = 1.0 / counted.sum().float()
+        rows, targets, counted, scale = flat_rows(hidden, targets)
         wants_hidden, wants_weight, wants_bias = ctx.needs_input_grad[:3]
         grads = Gradients(
             torch.empty_like(rows) if wants_hidden else None,
@@ -105,7 +134,7 @@ class LinearCrossEntropy(torch.autograd.Function):
             for start in range(0, rows.shape[0], chunk):
                 end = start + chunk
                 total += chunk_loss(rows[start:end].to(dtype), w, b, targets[start:end],
-                                    counted[start:end], scale, grads, start)
+                                    counted[start:end], scale, grads, start, post)
         ctx.grads = (grads.rows.view_as(hidden) if grads.rows is not None else None,
                      grads.weight.to(weight.dtype) if grads.weight is not None else None,
                      grads.bias.to(bias.dtype) if grads.bias is not None else None)
@@ -115,23 +144,97 @@ class LinearCrossEntropy(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_loss: Tensor):
         grads, ctx.grads = ctx.grads, None  # let AccumulateGrad take the weight's as its .grad
-        # In place: a second weight-sized buffer would raise the peak. grad_loss is 1, or an
-        # accumulated step's micro-batch weight.
-        scaled = [grad.mul_(grad_loss) if grad is not None else None for grad in grads]
-        return (*scaled, None, None)
+        return (*scaled_grads(grads, grad_loss), None, None, None)
+
+
+def flat_rows(hidden: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The hidden states and targets as rows, which targets count, and the mean's scale."""
+    rows = hidden.reshape(-1, hidden.shape[-1])
+    targets = targets.reshape(-1)
+    counted = targets != IGNORE
+    # the mean over the counted targets, as F.cross_entropy's: nan where none counts
+    return rows, targets, counted, 1.0 / counted.sum().float()
+
+
+def scaled_grads(grads, grad_loss: Tensor) -> list[Tensor | None]:
+    # In place: a second weight-sized buffer would raise the peak. grad_loss is 1, or an
+    # accumulated step's micro-batch weight.
+    return [grad.mul_(grad_loss) if grad is not None else None for grad in grads]
 
 
 def linear_cross_entropy(hidden: Tensor, weight: Tensor, bias: Tensor | None, targets: Tensor,
-                         chunk: int) -> Tensor:
-    return LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk)
+                         chunk: int, post: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """`post`: the model's step after its head, taken on each chunk's logits."""
+    return LinearCrossEntropy.apply(hidden, weight, bias, targets, chunk, post)
+
+
+def module_chunk_loss(h: Tensor, module: Callable[[Tensor], Tensor], params: list[Tensor],
+                      targets: Tensor, keep: Tensor, scale: Tensor, rows: Tensor | None,
+                      sums: list[Tensor], start: int) -> Tensor:
+    """One chunk's summed loss through the head `module` (and the step after it), by autograd
+    on this chunk alone: its gradients added to `rows` and to `sums`, `params`' fp32 sums."""
+    with torch.enable_grad():
+        x = h.detach().requires_grad_(rows is not None)
+        out = module(x)
+    wanted = [x] * (rows is not None) + params
+    # a copy: the softmax is taken in place, and the module may have saved its output
+    total, grad = softmax_loss(out.detach().to(torch.float32, copy=True), targets, keep, scale,
+                               bool(wanted))
+    if grad is None:
+        return total
+    found = list(torch.autograd.grad(out, wanted, grad.to(out.dtype)))
+    if rows is not None:
+        rows[start:start + len(h)] = found.pop(0)
+    for total_grad, param_grad in zip(sums, found, strict=True):
+        total_grad += param_grad
+    return total
+
+
+class ModuleCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of `module(hidden)` against `targets`, over `chunk` rows at a time,
+    for a head that is more than a Linear (an adapter's layer around it): each chunk's logits
+    and gradients by autograd, inside forward, as LinearCrossEntropy computes them by hand.
+    `params` are the module's parameters that train (their gradients are fp32 sums over the
+    chunks); the module runs under the caller's autocast, as it would in the model."""
+
+    @staticmethod
+    def forward(ctx, hidden: Tensor, targets: Tensor, chunk: int,
+                module: Callable[[Tensor], Tensor], *params: Tensor) -> Tensor:
+        rows, targets, counted, scale = flat_rows(hidden, targets)
+        grads = torch.empty_like(rows) if ctx.needs_input_grad[0] else None
+        trained = [p for p, wanted in zip(params, ctx.needs_input_grad[4:], strict=True)
+                   if wanted]
+        sums = [torch.zeros_like(p, dtype=torch.float32) for p in trained]
+        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows.shape[0], chunk):
+            end = start + chunk
+            total += module_chunk_loss(rows[start:end], module, trained, targets[start:end],
+                                       counted[start:end], scale, grads, sums, start)
+        by_param = iter(sums)
+        ctx.grads = (grads.view_as(hidden) if grads is not None else None,
+                     *(next(by_param).to(p.dtype) if wanted else None
+                       for p, wanted in zip(params, ctx.needs_input_grad[4:], strict=True)))
+        return total * scale
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_loss: Tensor):
+        grads, ctx.grads = ctx.grads, None
+        rows, *params = scaled_grads(grads, grad_loss)
+        return (rows, None, None, None, *params)
+
+
+def module_cross_entropy(hidden: Tensor, module: Callable[[Tensor], Tensor],
+                         params: list[Tensor], targets: Tensor, chunk: int) -> Tensor:
+    """`module`: the head and the model's step after it, on a chunk of hidden rows; `params`:
+    its parameters (those that need no gradient get none)."""
+    return ModuleCrossEntropy.apply(hidden, targets, chunk, module, *params)
 
 
 @torch.no_grad()
-def chunked_argmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk: int) -> Tensor:
-    """The head's argmax class for every row of `hidden`, a chunk of rows at a time."""
-    dtype = compute_dtype(hidden)
+def chunked_argmax(hidden: Tensor, logits_of: Callable[[Tensor], Tensor], chunk: int) -> Tensor:
+    """The argmax class of `logits_of` every row of `hidden`, a chunk of rows at a time."""
     rows = hidden.reshape(-1, hidden.shape[-1])
-    w, b = weight.to(dtype), bias.to(dtype) if bias is not None else None
-    found = [torch.nn.functional.linear(rows[start:start + chunk].to(dtype), w, b).argmax(-1)
+    found = [logits_of(rows[start:start + chunk]).argmax(-1)
              for start in range(0, rows.shape[0], chunk)]
     return torch.cat(found).view(hidden.shape[:-1])

@@ -31,8 +31,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from memexp.data.tensors import IGNORE, LABELS, Batch, targets_of
-from memexp.linear_cross_entropy import chunked_argmax, compute_dtype, linear_cross_entropy
-from memexp.models.head import Head, defer_head
+from memexp.linear_cross_entropy import (
+    chunked_argmax,
+    compute_dtype,
+    linear_cross_entropy,
+    module_cross_entropy,
+)
+from memexp.models.head import Head, PostHead, defer_head
 from memexp.reduction import REDUCTIONS, Reduction
 from memexp.techniques import Technique
 
@@ -321,9 +326,12 @@ class ChunkedCrossEntropy(Technique):
     never holds the whole (tokens x vocabulary) logits, their fp32 upcast or their gradient
     (memexp.linear_cross_entropy): the same loss and gradients as cross_entropy. The model's
     head is found once (memexp.models.head) and deferred: the model returns its last hidden
-    states, and the loss applies the head. `impl=liger|cce` uses that library's fused kernel
-    where it imports and the device is CUDA; otherwise the run says why and uses `torch`.
-    `shift` as cross_entropy's: targets -100 (padding) count for nothing."""
+    states, and the loss applies the head, as it now is (an adapter's layer around it too), and
+    then what the model's forward took on its output (a soft cap, a scale), each chunk's; a
+    step no chunk can take is refused as the model runs it. `impl=liger|cce` uses that
+    library's fused kernel where it imports, the device is CUDA and the head is a plain Linear
+    with nothing after it; otherwise the run says why and uses `torch`. `shift` as
+    cross_entropy's: targets -100 (padding) count for nothing."""
 
     shift: bool = False
     chunk_tokens: int = 256
@@ -351,14 +359,19 @@ class ChunkedCrossEntropy(Technique):
 
     def attach(self, model: nn.Module) -> None:
         """Find the model's output head, and defer it to this loss."""
-        self.head = defer_head(model, self.key)
+        self.head = defer_head(model, self.key, lambda raw: read_outputs(raw).logits)
 
     def __call__(self, outputs: Outputs, batch: Batch) -> Tensor:
         hidden, targets = logits_of(outputs, "chunked_ce"), targets_of(batch)
         if self.shift:  # position t predicts t + 1: the last has nothing to predict
             targets = F.pad(targets[..., 1:], (0, 1), value=IGNORE)
         hidden, targets = hidden.flatten(0, -2), targets.flatten()
-        linear = self.head.linear
+        post = self.head.program()
+        if not self.head.plain:  # an adapter's layer around the head: through autograd
+            return module_cross_entropy(hidden, self.logits_of(post),
+                                        list(self.head.module.parameters()), targets,
+                                        self.chunk_tokens)
+        linear = self.head.module
         # Both libraries' calls compute what the torch kernel does: the mean over the targets
         # that are not IGNORE (shifted above), fp32 sums of the weight's gradient, and the
         # gradient scaled by the loss's own (an accumulated step's weight).
@@ -388,18 +401,24 @@ class ChunkedCrossEntropy(Technique):
                                      filter_eps=None, accum_e_fp32=True, accum_c_fp32=True,
                                      impl="cce")
         return linear_cross_entropy(hidden, linear.weight, linear.bias, targets,
-                                    self.chunk_tokens)
+                                    self.chunk_tokens, post or None)
+
+    def logits_of(self, post: PostHead) -> Callable[[Tensor], Tensor]:
+        """A chunk of hidden rows' logits, as the model would return them: its head as it is
+        now, then its step after the head."""
+        head = self.head.module
+        return (lambda rows: post(head(rows))) if post else head
 
     def hits(self, outputs: Outputs, batch: Batch) -> Hits | None:
         targets = targets_of(batch)
         if outputs.logits is None or targets is None or targets.is_floating_point():
             return None
         hidden, targets = aligned(outputs.logits, targets, self.shift)
-        linear = self.head.linear
-        predicted = chunked_argmax(hidden, linear.weight, linear.bias, self.chunk_tokens)
+        predicted = chunked_argmax(hidden, self.logits_of(self.head.program()),
+                                   self.chunk_tokens)
         counted = targets != IGNORE
         correct = ((predicted == targets) & counted).sum()
-        classes = linear.out_features
+        classes = self.head.linear.out_features
         return Hits(correct, counted.sum(), outside_classes(targets, counted, classes).sum(),
                     classes)
 
@@ -409,12 +428,22 @@ class ChunkedCrossEntropy(Technique):
     def check(self, outputs: Outputs, batch: Batch) -> None:
         hidden, targets = aligned(logits_of(outputs, "chunked_ce"),
                                   targets_for(batch, "chunked_ce"), self.shift)
+        post = self.head.program()
         if targets.is_floating_point() or hidden.shape[:-1] != targets.shape:
             raise ValueError(
                 f"{self.key}: the head's input {tuple(hidden.shape)} does not fit the batch's "
                 f"targets {tuple(targets.shape)}: it needs integer targets, one per position")
         check_classes(hidden, targets, self.key, self.head.linear.out_features)
+        if post:
+            log.info("%s: after its output head, the model's forward takes %s on the logits: "
+                     "the loss takes them on each chunk of logits", self.key, post.describe())
         self.kernel, why = kernel_on(self.impl, hidden.device, compute_dtype(hidden))
+        if why is None and self.kernel is not Kernel.torch and (post or not self.head.plain):
+            self.kernel, why = Kernel.torch, (
+                f"its kernel takes the head's weight alone, and the model takes {post.describe()} "
+                "after its head" if post else
+                f"its kernel takes the head's weight alone, and the head is "
+                f"{type(self.head.module).__name__} (an adapter's layer)")
         if why is not None:
             log.info("%s: loss.impl=%s unavailable (%s): using loss.impl=torch", self.key,
                      self.impl.value, why)

@@ -29,6 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map_only
 
 from memexp.data.tensors import LABELS, Batch
+from memexp.estimate_moe import SHAPES, Routing
 from memexp.loss import call_model
 
 log = logging.getLogger("memexp")
@@ -67,24 +68,42 @@ def inputs_of(batch: Batch) -> dict[str, Tensor]:
 
 def check_lookup(name: str, embedding: nn.Embedding, indices: Tensor,
                  inputs: dict[str, Tensor]) -> None:
-    """An embedding's indices must be rows it has; the error says where they came from:
-    `inputs` are the tensors the forward pass was given."""
+    """An embedding's indices must be rows it has; the error says where they came from, where
+    that is known: `inputs` are the tensors the forward pass was given."""
     if indices.numel() == 0 or indices.is_meta:  # meta: made from the model's own buffers
         return
     low, high = int(indices.min()), int(indices.max())
     rows = embedding.num_embeddings
     if 0 <= low and high < rows:
         return
+    index = high if high >= rows else low
+    raise ValueError(f"{name} (nn.Embedding with {rows} rows) is looked up at index {index}, "
+                     f"out of range: {lookup_origin(indices, index, low, high, inputs)}")
+
+
+def lookup_origin(indices: Tensor, index: int, low: int, high: int,
+                  inputs: dict[str, Tensor]) -> str:
+    """Where the out-of-range `index` among `indices` came from, as far as the values show: the
+    batch's own ids, positions the model counted (a run of consecutive indices along each
+    sequence), ids the model made from a tensor of the batch that holds `index` (Whisper's
+    decoder inputs: its labels shifted right), or none of these."""
     fed = [key for key, value in inputs.items() if value.shape == indices.shape
            and value.dtype == indices.dtype and bool((value == indices).all())]
-    length = max((value.shape[-1] for value in inputs.values() if value.dim() > 1), default=None)
-    origin = (f"the batch's {fed[0]!r}: token ids from {low} to {high}; the data's vocabulary "
-              "must fit the model's (data.vocab_size)" if fed else
-              f"computed by the model from the batch (a position table: the batch's sequences "
-              f"are {length} long, data.seq_len; enlarge the table in the model's config, such "
-              "as +model.config.n_positions or max_position_embeddings)")
-    raise ValueError(f"{name} (nn.Embedding with {rows} rows) is looked up at index "
-                     f"{high if high >= rows else low}, out of range: {origin}")
+    if fed:
+        return (f"the batch's {fed[0]!r}: token ids from {low} to {high}; the data's vocabulary "
+                "must fit the model's (data.vocab_size)")
+    if indices.dim() > 0 and indices.shape[-1] > 1 and bool((indices.diff() == 1).all()):
+        return (f"computed by the model from the batch (a position table: positions up to "
+                f"{high}, for sequences {indices.shape[-1]} long, data.seq_len; enlarge the "
+                "table in the model's config, such as +model.config.n_positions or "
+                "max_position_embeddings)")
+    holding = [key for key, value in inputs.items()
+               if _integer(value) and bool((value == index).any())]
+    if holding:
+        return (f"an id that the batch's {holding[0]!r} holds, from which the model makes this "
+                "lookup's indices: the ids in the data must be rows of the model's vocabulary")
+    return ("made by the model itself: no tensor of the batch holds it, and it is not one of a "
+            "run of positions")
 
 
 class Lookups(TorchFunctionMode):
@@ -220,14 +239,25 @@ def _integer(tensor: Tensor) -> bool:
 class IntegerValues(TorchDispatchMode):
     """Floating-point tensors live on the meta device (shapes only); integer and boolean ones
     that can be computed from real values (token ids, positions from arange, masks) are computed
-    on the CPU, so that embedding lookups can be checked."""
+    on the CPU, so that embedding lookups can be checked. An MoE router's choices are made on
+    the CPU as the estimate assumes them (memexp.estimate_moe), and its grouped matmul takes
+    any float."""
+
+    def __init__(self):
+        super().__init__()
+        self.routing = Routing()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
             args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+            return self.routing.choose(func, args, kwargs,
+                                       SHAPES.get(func, func)(*args, **kwargs))
+        try:
+            out = func(*args, **kwargs)
+        except NotImplementedError:  # no CPU kernel for the dtype asked for the meta device
+            args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
             return func(*args, **kwargs)
-        out = func(*args, **kwargs)
         # Integers made for the meta device (torch.arange(n, device=embeddings.device)) are
         # made for real instead: positions are what position tables are checked against.
         if (kwargs.get("device") is not None and torch.device(kwargs["device"]).type == "meta"

@@ -160,12 +160,10 @@ def cleaned(value, depth: int = 0):
 
 
 def record_problem(record) -> str | None:
-    """What makes `record` unusable as a result.json, or None."""
-
-    def number(value, positive: bool = False) -> bool:
-        return (value is None or (isinstance(value, numbers.Real) and not isinstance(value, bool)
-                                  and math.isfinite(value) and (not positive or value > 0)))
-
+    """What makes `record` unusable as a result.json, or None: the types its readers read, then
+    its figures (figures_problem). The one check of a record: load_record's (memexp show, memexp
+    report, the end-of-sweep report, and through the report wandb's table) and the wandb run's
+    summary's (memexp.loggers.summary_of)."""
     if not isinstance(record, dict):
         return f"holds a {type(record).__name__}, not a result record"
     expected = {"status": str, "techniques": dict, "overrides": list}
@@ -181,21 +179,150 @@ def record_problem(record) -> str | None:
             return f"`{key}` is {record[key]!r}, not an object or null"
     if not isinstance(record.get("error"), (str, type(None))):
         return f"`error` is {record['error']!r}, not a string or null"
-    memory, metrics = record.get("memory") or {}, record.get("metrics") or {}
-    for key in ("peak_bytes", "reserved_peak_bytes"):
-        if not number(memory.get(key), positive=True):
-            return f"`memory.{key}` is {memory[key]!r}, not a positive number of bytes or null"
-    if memory.get("peak_bytes") is not None and not isinstance(memory.get("phases"), dict):
-        return "`memory.peak_bytes` is set, but `memory.phases` is missing"
-    breakdown = memory.get("breakdown_at_peak") or {}
-    if not isinstance(breakdown, dict) or not all(value is not None and number(value)
-                                                  for value in breakdown.values()):
-        return f"`memory.breakdown_at_peak` is {breakdown!r}, not bytes by category"
-    for key in ("final_loss", "eval_accuracy", "throughput", "step_time_s"):
-        if not number(metrics.get(key)):
-            return f"`metrics.{key}` is {metrics[key]!r}, not a number or null"
-    if not isinstance(metrics.get("throughput_unit"), (str, type(None))):
-        return f"`metrics.throughput_unit` is {metrics['throughput_unit']!r}, not a string or null"
+    if not isinstance((record.get("metrics") or {}).get("throughput_unit"), (str, type(None))):
+        return (f"`metrics.throughput_unit` is {record['metrics']['throughput_unit']!r}, not a "
+                "string or null")
+    return figures_problem(record)
+
+
+# A count of bytes as torch keeps it, in an int64 (a storage's nbytes, the caching allocator's
+# statistics): a larger one, or a fraction of a byte, is no figure a run measured.
+MAX_BYTES = 2**63 - 1
+# The peaks: a run that measured one held its parameters at least.
+PEAKS = ("peak_bytes", "reserved_peak_bytes")
+# Counts in a `memory` section that are not `*_bytes` (CUDA's allocator events).
+COUNTS = ("num_alloc_retries", "num_ooms")
+
+
+def figures_problem(record: dict) -> str | None:
+    """The first figure of `record` that no run writes, or that contradicts another, or None.
+    Each rule is how the trainer and the meter write them (docs/result-json.md, "Records
+    whose figures disagree"): an ok run records its memory and its metrics; bytes and counts
+    are whole numbers from 0 to MAX_BYTES, peaks from 1; each breakdown is within its peak
+    (memory_problem); an accuracy is a fraction; a step time and a throughput are positive."""
+    memory, metrics = record.get("memory"), record.get("metrics")
+    if record["status"] == "ok" and (memory is None or metrics is None):
+        return (f"`status` is 'ok', but `{'memory' if memory is None else 'metrics'}` is null: "
+                "a run that ends ok records its memory and its metrics")
+    problem = memory_problem(memory, "memory") if memory is not None else None
+    if problem:
+        return problem
+
+    def number(value) -> bool:
+        return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+                and math.isfinite(value))
+
+    for key, fits, what in (
+            ("final_loss", number, "a number"),
+            # correct predictions over those made (memexp.loss.Hits)
+            ("eval_accuracy", lambda v: number(v) and 0 <= v <= 1, "a fraction in [0, 1]"),
+            # the median of measured step times, and the items of a step over it
+            ("throughput", lambda v: number(v) and v > 0, "a positive number"),
+            ("step_time_s", lambda v: number(v) and v > 0, "a positive number of seconds")):
+        value = (metrics or {}).get(key)
+        if value is not None and not fits(value):
+            return f"`metrics.{key}` is {value!r}, not {what} or null"
+    return None
+
+
+def count_problem(value, least: int = 0, null: bool = True) -> str | None:
+    """Why `value` is no count of bytes (or of events) from `least` up, or None (for null too
+    where `null`): as the message's tail, after the figure's name."""
+    if (value is None and null or isinstance(value, int) and not isinstance(value, bool)
+            and least <= value <= MAX_BYTES):
+        return None
+    return f"{'null' if value is None else repr(value)}, not a whole number from {least} to 2^63-1"
+
+
+def memory_problem(memory: dict, where: str) -> str | None:
+    """What contradicts itself in a `memory` section at `where` (a rank's in `per_rank` too), or
+    None. Its breakdowns are the storage tracker's bytes by category at a phase's peak, taken
+    when its peak was: with the tracker as the source they add up to the phase's peak exactly
+    (memexp.memory.tracker settles the storages alive at the peak, with their sizes then); with
+    CUDA's counters as the source at most to it (the counters count every allocation of the
+    same phase, each rounded up, and the tracker's storages are among them; the `other`
+    phase's, to the run's peak). The host's `offloaded` bytes are outside the device's peak,
+    and within `offloaded_peak_bytes`, the tracker's highest. The peak is the highest phase's,
+    and its breakdown that phase's."""
+    for key, value in memory.items():
+        if key.endswith("_bytes") or key in COUNTS:
+            problem = count_problem(value, least=1 if key in PEAKS else 0)
+            if problem:
+                return f"`{where}.{key}` is {problem}"
+    leak = memory.get("leak")
+    if isinstance(leak, dict) and (problem := count_problem(leak.get("bytes_per_step"), 1)):
+        return f"`{where}.leak.bytes_per_step` is {problem}"
+    peak, phases = memory.get("peak_bytes"), memory.get("phases")
+    if peak is not None and not isinstance(phases, dict):
+        return f"`{where}.peak_bytes` is set, but `{where}.phases` is missing"
+    breakdowns = [("breakdown_at_peak", "peak_bytes", peak, memory.get("breakdown_at_peak"))]
+    for name, phase in (phases or {}).items():
+        if not isinstance(phase, dict):
+            return f"`{where}.phases.{name}` is {phase!r}, not a phase's peak_bytes and breakdown"
+        if problem := count_problem(phase.get("peak_bytes"), null=False):
+            return f"`{where}.phases.{name}.peak_bytes` is {problem}"
+        # CUDA's counters leave out a stretch between phases that allocated nothing beyond what
+        # it started with, the tracker does not: what it saw there is within what the phase
+        # before held, and so within the run's peak (memexp.memory.meter.CudaCounters.switch).
+        own = name != "other" or memory.get("source") != "cuda-counters"
+        breakdowns.append((f"phases.{name}.breakdown",
+                           f"phases.{name}.peak_bytes" if own else "peak_bytes",
+                           phase["peak_bytes"] if own else peak, phase.get("breakdown")))
+    exact = memory.get("source") == "storage-tracker"
+    for key, peak_key, peak_of, breakdown in breakdowns:
+        if breakdown is None:
+            continue
+        if not isinstance(breakdown, dict):
+            return f"`{where}.{key}` is {breakdown!r}, not bytes by category"
+        for category, nbytes in breakdown.items():
+            if category not in CATEGORY_ORDER:
+                return (f"`{where}.{key}` has {category!r}, not one of the categories "
+                        f"{', '.join(CATEGORY_ORDER)}")
+            if problem := count_problem(nbytes, null=False):
+                return f"`{where}.{key}.{category}` is {problem}"
+        if peak_of is None:
+            return (f"`{where}.{key}` is set, but `{where}.{peak_key}` is null: a breakdown of "
+                    "no peak")
+        device = sum(n for category, n in breakdown.items() if category in DEVICE_CATEGORIES)
+        if device > peak_of or exact and device != peak_of:
+            return (f"`{where}.{key}` adds up to {device:,} B on the device, "
+                    f"{'not' if exact else 'more than'} the {peak_of:,} B of `{where}.{peak_key}`"
+                    + (": the storage tracker's peak is its categories' sum" if exact else ""))
+        host, host_peak = breakdown.get("offloaded", 0), memory.get("offloaded_peak_bytes")
+        if host_peak is not None and host > host_peak:
+            return (f"`{where}.{key}.offloaded` is {host:,} B, more than the {host_peak:,} B "
+                    f"of `{where}.offloaded_peak_bytes`, the host's highest")
+    if peak is not None:
+        highest = max((phase["peak_bytes"] for phase in phases.values()), default=None)
+        peak_phase = memory.get("peak_phase")
+        if peak != highest:
+            return (f"`{where}.peak_bytes` is {peak:,} B, not the highest of "
+                    f"`{where}.phases`' peaks ({'none' if highest is None else f'{highest:,} B'})")
+        if (not isinstance(peak_phase, str) or peak_phase not in phases
+                or phases[peak_phase]["peak_bytes"] != peak):
+            return (f"`{where}.peak_phase` is {peak_phase!r}, not a phase whose peak is "
+                    f"`{where}.peak_bytes`")
+        if memory.get("breakdown_at_peak") != phases[peak_phase].get("breakdown"):
+            return (f"`{where}.breakdown_at_peak` is not `{where}.phases.{peak_phase}.breakdown`, "
+                    "the breakdown of the phase of the peak")
+    return ranks_problem(memory, where) if "per_rank" in memory else None
+
+
+def ranks_problem(memory: dict, where: str) -> str | None:
+    """A multi-rank run's `memory` (memexp.app.ranks_memory): each rank's section in `per_rank`
+    holds, and the rest is the section of the rank with the highest peak, `rank`."""
+    per_rank, rank = memory["per_rank"], memory.get("rank")
+    if not isinstance(per_rank, list) or not all(isinstance(report, dict) for report in per_rank):
+        return f"`{where}.per_rank` is {per_rank!r}, not a list of each rank's memory"
+    for number, report in enumerate(per_rank):
+        if problem := memory_problem(report, f"{where}.per_rank.{number}"):
+            return problem
+    top = max((report.get("peak_bytes") or 0 for report in per_rank), default=0)
+    section = {key: value for key, value in memory.items() if key not in ("rank", "per_rank")}
+    if (not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < len(per_rank)
+            or per_rank[rank] != section or (section.get("peak_bytes") or 0) != top):
+        return (f"`{where}` is not the section in `{where}.per_rank` of the rank with the highest "
+                f"peak (`{where}.rank` is {rank!r})")
     return None
 
 

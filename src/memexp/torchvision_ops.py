@@ -37,12 +37,15 @@ def declare_missing_ops() -> None:
     if spec is None:
         return
     folder = Path(spec.submodule_search_locations[0])
-    # The file torchvision's own import loads first (torchvision.extension): where it loads,
-    # its ops are real, and torchvision's loading it again is a no-op.
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        if (folder / f"_C{suffix}").is_file():
+    # The file torchvision's own import loads first (torchvision.extension): `_C` up to 0.28,
+    # `_C_stable` (built on torch's stable ABI) from 0.29. Where it loads, its ops are real, and
+    # torchvision's loading it again is a no-op; declaring them as well would abort the process
+    # when torchvision registers them (a duplicate definition).
+    for path in (folder / f"{name}{suffix}" for name in ("_C", "_C_stable")
+                 for suffix in importlib.machinery.EXTENSION_SUFFIXES):
+        if path.is_file():
             try:
-                torch.ops.load_library(folder / f"_C{suffix}")
+                torch.ops.load_library(path)
                 return
             except OSError:  # built for another torch (or its CUDA build)
                 break

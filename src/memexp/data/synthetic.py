@@ -129,13 +129,28 @@ def synthetic_hf_tokens(
     if task in AUDIO_TASKS:
         return synthetic_hf_audio(task, config, batch_size, eval_batch_size, seq_len, num_train,
                                   num_eval, padding, seed)
+    shortest = seq_len - int(padding * seq_len)
+    if task == "causal_lm" and shortest < 2:
+        raise ValueError(
+            f"data.seq_len={seq_len}: a causal LM predicts each token from the ones before it, "
+            f"and the shortest sequence here is {shortest} token{'s' * (shortest != 1)} long "
+            f"(up to data.padding={padding} of data.seq_len is padding), with nothing to "
+            "predict: a batch of such sequences has no target, and its loss is nan (0 / 0). "
+            "Make every sequence 2 tokens or longer: a larger data.seq_len, or a smaller "
+            "data.padding")
     # GPT-2's config has no pad id
     pad_token_id = 0 if getattr(config, "pad_token_id", None) is None else config.pad_token_id
     eos_token_id = getattr(config, "eos_token_id", None)
-    if task == "seq2seq_lm" and eos_token_id is None:
+    if config is not None:
+        check_written_ids(config, task, {
+            **({"pad_token_id": (pad_token_id, "padding the input_ids")}
+               if shortest < seq_len else {}),
+            **({"eos_token_id": (eos_token_id, "ending each sequence")}
+               if task == "seq2seq_lm" else {})})
+    elif task == "seq2seq_lm":
         raise ValueError("data.task=seq2seq_lm: its sequences end in the model's "
-                         "end-of-sequence id, and the model's config has none: set "
-                         "+model.config.eos_token_id")
+                         "end-of-sequence id, and there is no model config to take it from: "
+                         "use it with model=hf")
     generator = torch.Generator().manual_seed(seed)
     # The rule's factors are coprime to the vocabulary, so that it reaches every token.
     coprime = [f for f in range(1, vocab_size) if math.gcd(f, vocab_size) == 1]
@@ -185,6 +200,32 @@ def synthetic_hf_tokens(
 AUDIO_TASKS = ("speech_seq2seq", "ctc")
 
 
+def check_written_ids(config, task: str, written: dict[str, tuple[int | None, str]]) -> None:
+    """The ids of the model's `config` that the synthetic batches hold (`written`: each one's
+    key, its value and where the data writes it) must exist and be rows of the vocabulary that
+    the model looks them up in: with +model.config.vocab_size=1000, Whisper's eos_token_id of
+    50256 ended each transcript, and the decoder's lookup failed, blamed on a position table.
+    The model's own ids (pad_token_id as its embeddings' padding_idx, an encoder-decoder's
+    decoder_start_token_id) are checked as it is built (memexp.models.hf)."""
+    name = type(config).__name__
+    for key, (value, where) in written.items():
+        if not isinstance(value, int):  # none, or several (Qwen3-ASR's end-of-sequence pair)
+            raise ValueError(f"data.task={task}: the synthetic batches hold the model's {key} "
+                             f"({where}), and {name}'s is {value!r}, not one id: set "
+                             f"+model.config.{key}=...")
+    vocab = config.get_text_config(decoder=True).to_dict().get("vocab_size")
+    past = {key: (value, where) for key, (value, where) in written.items()
+            if vocab is not None and not 0 <= value < vocab}
+    if past:
+        held = ", ".join(f"{key}={value} ({where})" for key, (value, where) in past.items())
+        raise ValueError(
+            f"data.task={task}: the synthetic batches hold {name}'s {held}, past its vocabulary "
+            f"of {vocab} (ids 0 to {vocab - 1}), and the model looks "
+            f"{'it' if len(past) == 1 else 'them'} up: set "
+            + " and ".join(f"+model.config.{key}=..." for key in past)
+            + " within it, or a larger vocab_size")
+
+
 def model_config(model: dict | None, task: str):
     """The transformers config that model=hf builds its model from (memexp.models.hf.hf_config),
     for data that must agree with it; None with another model (no `arch`). An unknown
@@ -230,6 +271,8 @@ def synthetic_hf_audio(task: str, config, batch_size: BatchSize,
         if seq_len > config.max_target_positions:
             raise ValueError(f"data.seq_len={seq_len}: {name} takes transcripts of at most "
                              f"max_target_positions={config.max_target_positions} tokens")
+        check_written_ids(config, task,
+                          {"eos_token_id": (config.eos_token_id, "ending each transcript")})
         length, ends = seq_len, [config.eos_token_id]
         specials = {config.eos_token_id, config.pad_token_id, config.bos_token_id,
                     config.decoder_start_token_id}
@@ -240,6 +283,7 @@ def synthetic_hf_audio(task: str, config, batch_size: BatchSize,
                                                 strict=True))):
             samples = (samples - 1) * stride + kernel
         key, shape = "input_values", (samples,)
+        check_spec_augment(config, seq_len)
         length, ends = max(seq_len // 3, 1), []
         specials = {config.pad_token_id, config.bos_token_id, config.eos_token_id}
     ordinary = torch.tensor([i for i in range(config.vocab_size) if i not in specials])
@@ -263,6 +307,25 @@ def synthetic_hf_audio(task: str, config, batch_size: BatchSize,
 
     train = split(num_train)
     return TensorData(train, split(num_eval), batch_size, eval_batch_size, seed)
+
+
+def check_spec_augment(config, frames: int) -> None:
+    """A CTC model's SpecAugment (wav2vec2's and its kin's) masks spans of mask_time_length
+    frames while it trains, where mask_time_prob > 0 and apply_spec_augment (read as their
+    models read it: true where the config lacks it); transformers refuses clips of fewer
+    frames deep in the forward pass, naming neither key ("`mask_length` has to be smaller
+    than `sequence_length`")."""
+    keys = config.to_dict()
+    if not (getattr(config, "apply_spec_augment", True) and keys.get("mask_time_prob")):
+        return
+    span = keys["mask_time_length"]
+    if span > frames:
+        raise ValueError(
+            f"data.seq_len={frames}: {type(config).__name__}'s SpecAugment masks spans of "
+            f"mask_time_length={span} frames in training (mask_time_prob="
+            f"{keys['mask_time_prob']}), and the synthetic clips are {frames} frames long "
+            f"(data.seq_len): set data.seq_len={span} or more, +model.config.mask_time_length="
+            f"{frames} or less, or +model.config.mask_time_prob=0 (no masking)")
 
 
 @dataclass

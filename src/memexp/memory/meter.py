@@ -4,14 +4,18 @@ Totals come from the device's own counters on CUDA and from the live-storage tra
 The category breakdown always comes from the tracker (the allocator knows sizes, not roles):
 
 - params:      parameters and buffers of the model
-- frozen:      parameters that do not train (adapter=lora's base weights): no grads, no state
+- frozen:      parameters that do not train (adapter=lora's base weights): no grads, no state;
+               with what a 4-bit weight keeps beside it (bitsandbytes' scales)
 - grads:       `.grad` of those parameters
 - optimizer:   optimizer state, and fp32 master copies the optimizer updates instead of the model
 - activations: tensors created by the forward pass that are still alive (saved for backward)
 - loss:        tensors the loss allocates, and backward between the loss and its input (the
-               logits' upcast, log-softmax and gradients; memexp.memory.tracker.computing_loss)
+               logits' upcast, log-softmax and gradients; memexp.memory.tracker.computing_loss),
+               but not a weight it casts (chunked_ce's copy of the head: by phase, as in forward)
 - other:       everything else: the batch, backward temporaries, optimizer-step temporaries
-- offloaded:   host-resident copies (activation offload, CPU-offloaded params); not in the peak
+- offloaded:   host-resident copies (activation offload, CPU-offloaded params, the optimizer
+               stepped on the host); not in the peak. `transfer_bytes_per_step` is what a
+               measured step copied to the host and back.
 """
 
 from __future__ import annotations
@@ -206,7 +210,10 @@ class MemoryMeter:
         self.snapshot_to, self.snapshot_entries = snapshot_to, snapshot_entries
         self.warmup_steps = warmup_steps
         self.live_after_steps: list[int] = []
+        # the tracker's bytes moved to the host and back, so far, after each step it measured
+        self._transfers_after_steps: list[tuple[int, int]] = []
         self._model: nn.Module | None = None
+        self._kept_apart: list[torch.Tensor] = []
         self._optimizer: torch.optim.Optimizer | None = None
         # what the optimizer updates that is not the model's (fp32 master copies)
         self._masters: list[torch.Tensor] = []
@@ -215,11 +222,13 @@ class MemoryMeter:
         self._grad_hooks: list = []  # the gradient hooks of the watched model's parameters
         self.last_phase: str | None = None  # the last named phase entered (OOM reports use it)
 
-    def watch(self, model: nn.Module) -> None:
-        """Name the model whose tensors are params and grads. Call it before the optimizer is
-        built: the meter's gradient hooks must run before any optimizer's (optim.in_backward
-        steps and frees each gradient in its own hook)."""
+    def watch(self, model: nn.Module, kept_apart: list[torch.Tensor] = ()) -> None:
+        """Name the model whose tensors are params and grads, and what its frozen weights keep
+        outside its parameters (`kept_apart`: adapter=qlora's bitsandbytes scales), frozen too.
+        Call it before the optimizer is built: the meter's gradient hooks must run before any
+        optimizer's (optim.in_backward steps and frees each gradient in its own hook)."""
         self._model = model
+        self._kept_apart = list(kept_apart)
         self._swaps = isinstance(model, SwapsParameters)
         if self.tracker is not None:
             self.tracker.track(*self._model_tensors())
@@ -235,7 +244,10 @@ class MemoryMeter:
         self._masters = [p for group in optimizer.param_groups for p in group["params"]
                          if id(p) not in params]
         if self.tracker is not None:
-            self.tracker.track(*self._optimizer_tensors())
+            # and the gradients of its master copies, made with them (optim.offload=cpu's host
+            # copies get theirs as they are built)
+            self.tracker.track(*self._optimizer_tensors(),
+                               *(m.grad for m in self._masters if m.grad is not None))
 
     def _count_grad(self, param: torch.Tensor) -> None:
         self.tracker.mark_grad(param.grad)
@@ -350,6 +362,8 @@ class MemoryMeter:
         on from those)."""
         if self.profile is not None and self.tracking:
             self.profile.step()
+        if self.tracker is not None and self.tracking:
+            self._transfers_after_steps.append((self.tracker.to_host, self.tracker.to_device))
         live = self.live_bytes()
         if live is not None and not (self.counters is not None and self.counters.ever_stopped):
             self.live_after_steps.append(live)
@@ -376,6 +390,7 @@ class MemoryMeter:
         if self._model is not None:
             yield from self._model.parameters()
             yield from self._model.buffers()
+            yield from self._kept_apart
             yield from (p.grad for p in self._model.parameters() if p.grad is not None)
 
     def _optimizer_tensors(self):
@@ -405,6 +420,7 @@ class MemoryMeter:
         if self._model is not None:
             params = list(self._model.parameters())
             assign((p for p in params if not p.requires_grad), "frozen")
+            assign(self._kept_apart, "frozen")
             assign(params, "params")
             assign(self._model.buffers(), "params")
             assign((p.grad for p in params if p.grad is not None), "grads")
@@ -448,6 +464,10 @@ class MemoryMeter:
             report["saved_activations_bytes"] = self.tracker.saved_activations
             report["grads_peak_bytes"] = self.tracker.grads_peak
             report["offloaded_peak_bytes"] = self.tracker.host_peak
+            # what offloading moves in a step: the last one measured (they repeat from the first)
+            before, after = [(0, 0), (0, 0), *self._transfers_after_steps][-2:]
+            report["transfer_bytes_per_step"] = {"to_host": after[0] - before[0],
+                                                 "to_device": after[1] - before[1]}
         live_after_steps = self.live_after_steps
         if self.counters is not None:
             report.update(self.counters.report())

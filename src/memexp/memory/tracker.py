@@ -38,25 +38,49 @@ RECOMPUTE = "recompute"
 ACTIVATION_PHASES = frozenset({"forward", RECOMPUTE})
 
 _host_depth = 0
+_device_stays_depth = 0  # of those, host_resident(device_stays=True)'s
 _recompute_depth = 0
 # Inside the loss (`computing_loss`, and its backward between the two `LossBoundary` marks):
-# the vocabulary-sized logits' upcast, log-softmax and gradients, the "loss" category.
+# the vocabulary-sized logits' upcast, log-softmax and gradients, the "loss" category. Not a
+# weight cast to another dtype there (_cast_of_weights).
 _loss_depth = 0
+_TO_COPY = torch.ops.aten._to_copy.default
+# What follows the counts from outside while they change (memexp.depth labels a trace's events by
+# the block that made them): told of each op before it runs, each count that changes, each
+# candidate for a phase's peak and each phase entered. None when nothing follows.
+_follower = None
 
 
 @contextmanager
-def host_resident():
+def host_resident(device_stays: bool = False):
     """Declare that tensors allocated inside live in host memory, not on the training device.
 
     On CUDA this is literally where they are; on a CPU run it keeps the device/host split that
-    a GPU run would have, so offloading techniques can be measured on any machine.
+    a GPU run would have, so offloading techniques can be measured on any machine. With
+    `device_stays`, a tensor made inside on a CUDA run's device is still device memory: the
+    optimizer stepped on the host (optim.offload=cpu) keeps its small parameters' state on the
+    device, beside the rest on the host. (A CPU run, whose device is the host, has no such
+    split to make: everything made inside is host memory.)
     """
-    global _host_depth
+    global _host_depth, _device_stays_depth
     _host_depth += 1
+    _device_stays_depth += device_stays
     try:
         yield
     finally:
         _host_depth -= 1
+        _device_stays_depth -= device_stays
+
+
+@contextmanager
+def followed(follower):
+    """Let `follower` see the counts of every tracker as they change (see _follower)."""
+    global _follower
+    outer, _follower = _follower, follower
+    try:
+        yield follower
+    finally:
+        _follower = outer
 
 
 @contextmanager
@@ -106,6 +130,10 @@ def leave_loss() -> None:
     global _loss_depth
     _loss_depth = 0
 
+
+# The copies the tracker weighs as transfers between the host and the device, with where each
+# reads its source and its target: (position in args, position in args or None for the output).
+_COPIES = {torch.ops.aten.copy_.default: (1, 0), torch.ops.aten._to_copy.default: (0, None)}
 
 # Which role wins when a storage is named twice (a master copy is an optimizer tensor, but its
 # gradient is a gradient): the order in which MemoryMeter's roles are assigned.
@@ -228,6 +256,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self.phase = IDLE
         self.current = 0
         self.host_current = self.host_peak = 0
+        # bytes copied from device storage into host-resident storage, and back: what offloading
+        # moves (a copy between two host or two device storages is not a transfer)
+        self.to_host = self.to_device = 0
         # Live activations (by creating phase) and gradients (marked by `mark_grad`) are followed
         # op by op, so their own peaks are known whatever the moment of the overall peak.
         self.activations_current = self.activations_peak = 0
@@ -254,6 +285,10 @@ class LiveStorageTracker(TorchDispatchMode):
         return False
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _loss_depth and func is _TO_COPY and self._holds_weights(args[0]):
+            return self._cast_of_weights(func, types, args, kwargs)
+        if _follower is not None:
+            _follower.op(self, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if _WRAPPER_TYPES.get(type(out)) is False:  # most ops: one plain tensor, inlined
             if self.device_type is not None and not self._on_device(out):
@@ -264,7 +299,7 @@ class LiveStorageTracker(TorchDispatchMode):
                 except (NotImplementedError, RuntimeError):  # sparse and storage-less layouts
                     grew = False
                 else:
-                    grew = self._record(storage)
+                    grew = self._record(storage, _host_depth > 0 and self._off_device(out))
         elif isinstance(out, torch.Tensor):
             grew = self._track_tensor(out)
         elif out is None:
@@ -276,10 +311,50 @@ class LiveStorageTracker(TorchDispatchMode):
                     grew |= self._track_tensor(leaf)
         if grew:
             self._maybe_peak()
+        if func in _COPIES:
+            source, target = _COPIES[func]
+            self._count_transfer(args[source], out if target is None else args[target])
         if self.timeline is not None:
             self.timeline.record(self.phase, self.current, self.activations_current,
                                  self.grads_current, self.host_current)
         return out
+
+    def _count_transfer(self, source: torch.Tensor, target: torch.Tensor) -> None:
+        """A copy from one recorded storage to another: a transfer where one is host-resident
+        and the other is not."""
+        try:
+            held = self._live.get(id(source.untyped_storage()))
+            made = self._live.get(id(target.untyped_storage()))
+        except (NotImplementedError, RuntimeError):  # wrapper subclasses, storage-less layouts
+            return
+        if held is None or made is None or held.host == made.host:
+            return
+        nbytes = target.numel() * target.element_size()
+        if made.host:
+            self.to_host += nbytes
+        else:
+            self.to_device += nbytes
+
+    def _holds_weights(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor` is a view of the model's parameters or buffers (by their role)."""
+        try:
+            record = self._live.get(id(tensor.untyped_storage()))
+        except (NotImplementedError, RuntimeError):  # wrapper subclasses, storage-less layouts
+            return False
+        return record is not None and record.role in ("params", "frozen")
+
+    def _cast_of_weights(self, func, types, args, kwargs):
+        """A weight cast inside the loss: loss=chunked_ce's copy of the output head in the
+        compute dtype (once for all chunks), autocast's of an adapted head's. It is the weight's
+        copy, of the weight's size, filed by the phase as the same cast is in the model's own
+        forward (activations, where the head's matmul keeps it for backward), not as the
+        loss's: on an 8B Llama under bf16 it was 1.0 GiB of a 1.2 GiB "loss"."""
+        global _loss_depth
+        depth, _loss_depth = _loss_depth, 0
+        try:
+            return self.__torch_dispatch__(func, types, args, kwargs)
+        finally:
+            _loss_depth = depth
 
     def track(self, *tensors: torch.Tensor) -> None:
         """Record the storages of `tensors` (safe to call on tensors already tracked)."""
@@ -294,6 +369,12 @@ class LiveStorageTracker(TorchDispatchMode):
         tensor's storage is on "meta", so the tensor says where it lives)."""
         return tensor.device.type == self.device_type or _host_depth > 0
 
+    def _off_device(self, tensor: torch.Tensor) -> bool:
+        """Whether `tensor`, made inside host_resident(), is host memory: all of it is, but a
+        CUDA run's device tensor inside host_resident(device_stays=True)."""
+        return not (_device_stays_depth and self.device_type is not None
+                    and tensor.device.type == self.device_type)
+
     def _track_tensor(self, tensor: torch.Tensor) -> bool:
         """Record `tensor`'s storages; True if device memory grew."""
         if self.device_type is not None and not self._on_device(tensor):
@@ -303,13 +384,14 @@ class LiveStorageTracker(TorchDispatchMode):
                 storage = tensor.untyped_storage()
             except (NotImplementedError, RuntimeError):  # sparse and other storage-less layouts
                 return False
-            return self._record(storage)
+            return self._record(storage, _host_depth > 0 and self._off_device(tensor))
+        host = _host_depth > 0 and self._off_device(tensor)
         grew = False
         for storage in tensor_storages(tensor):
-            grew |= self._record(storage)
+            grew |= self._record(storage, host)
         return grew
 
-    def _record(self, storage: torch.UntypedStorage) -> bool:
+    def _record(self, storage: torch.UntypedStorage, host: bool) -> bool:
         key = id(storage)
         nbytes = storage.nbytes()
         known = self._live.get(key)
@@ -318,7 +400,7 @@ class LiveStorageTracker(TorchDispatchMode):
         phase = RECOMPUTE if _recompute_depth > 0 else self.phase
         self._clock += 1
         # positional: a third faster than keywords, on a path every allocation takes
-        record = _Storage(None, nbytes, phase, _host_depth > 0, False, nbytes, self._clock, None,
+        record = _Storage(None, nbytes, phase, host, False, nbytes, self._clock, None,
                           _loss_depth > 0)
         if self.allocator is not None and not record.host:
             nbytes = record.nbytes = self.allocator.malloc(key, nbytes)
@@ -403,16 +485,20 @@ class LiveStorageTracker(TorchDispatchMode):
     def _add_grad(self, nbytes: int) -> None:
         self.grads_current += nbytes
         self.grads_peak = max(self.grads_peak, self.grads_current)
+        if _follower is not None:
+            _follower.added_grad(self, nbytes)
 
     def _add(self, record: _Storage, nbytes: int) -> None:
         if record.host:
             self.host_current += nbytes
             self.host_peak = max(self.host_peak, self.host_current)
-            return
-        self.current += nbytes
-        if record.phase in ACTIVATION_PHASES:
-            self.activations_current += nbytes
-            self.activations_peak = max(self.activations_peak, self.activations_current)
+        else:
+            self.current += nbytes
+            if record.phase in ACTIVATION_PHASES:
+                self.activations_current += nbytes
+                self.activations_peak = max(self.activations_peak, self.activations_current)
+        if _follower is not None:
+            _follower.added(self, record, nbytes)
 
     # -- roles -------------------------------------------------------------------------------
     def name(self, tensor: torch.Tensor, role: str) -> None:
@@ -449,6 +535,8 @@ class LiveStorageTracker(TorchDispatchMode):
         leave_loss()
         if self.phase == "forward":
             self.saved_activations = max(self.saved_activations, self.activations_current)
+        if _follower is not None:
+            _follower.entering(self, phase)
         self.phase = phase
         self._stale = True
         if phase != IDLE:
@@ -464,6 +552,8 @@ class LiveStorageTracker(TorchDispatchMode):
                    if not r.host and r.role in ("params", "optimizer"))
 
     def _maybe_peak(self) -> None:
+        if _follower is not None:
+            _follower.candidate(self)
         peak = self.peaks.get(self.phase)
         if peak is None:
             peak = self.peaks[self.phase] = PhasePeak()

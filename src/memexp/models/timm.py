@@ -10,6 +10,7 @@ extra, which the Makefile installs; it imports torchvision, whose compiled ops n
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -29,9 +30,10 @@ def timm_model(name: str, num_classes: int, in_channels: int = 3, pretrained: st
         # import error alone, as if memexp.models.timm could not be imported.
         raise RuntimeError(
             f"model=timm needs timm, which does not import here ({type(error).__name__}: "
-            f"{error}). Install memexp's timm extra, as make install does (pip install -e "
-            f"'.[timm]' torch=={torch.__version__.split('+')[0]}: torch again, so that pip keeps "
-            "this torch), or give the network as model=custom model._target_=pkg.Class") from None
+            f"{error}). Install memexp's timm extra, as make install does, in {sys.executable} "
+            f"(-m pip install -e '.[timm]' torch=={torch.__version__.split('+')[0]}: torch "
+            "again, so that pip keeps this torch), or give the network as model=custom "
+            "model._target_=pkg.Class") from None
     extra = plain(kwargs)
     if pretrained is not None:
         weights = Path(pretrained).expanduser()  # timm opens the path as given: no ~
