@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch._functorch.partitioners import get_default_op_list
 from torch.nn.modules.batchnorm import _BatchNorm
-from torch.utils.checkpoint import CheckpointPolicy
+from torch.utils.checkpoint import CheckpointPolicy, SelectiveCheckpointContext
 
 from memexp.app import run_config
 from memexp.build import build
@@ -36,6 +36,7 @@ VARIANTS = [
     ["checkpointing=sequential", "checkpointing.segments=2"],
     ["checkpointing=offload"],
     ["checkpointing=selective_ops"],
+    ["checkpointing=full_offload"],
 ]
 
 
@@ -133,17 +134,18 @@ def test_selective_ops_policy_saves_every_second_mm_and_every_listed_op():
     Ops outside the list (GELU, softmax, a norm) are recomputed."""
     aten = torch.ops.aten
     policy = CheckpointOps().policy
+    context = SelectiveCheckpointContext(is_recompute=False)
     for _ in range(2):  # a fresh count each call
-        decide = policy.for_one_call()
-        decisions = [decide(None, op) for op in (aten.mm.default, aten.addmm.default,
-                                                 aten.mm.default, aten.gelu.default,
-                                                 aten.mm.default, aten.bmm.default)]
+        decide = policy.for_one_call("Block")
+        decisions = [decide(context, op) for op in (aten.mm.default, aten.addmm.default,
+                                                    aten.mm.default, aten.gelu.default,
+                                                    aten.mm.default, aten.bmm.default)]
         assert decisions == [CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_SAVE,
                              CheckpointPolicy.PREFER_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE,
                              CheckpointPolicy.MUST_SAVE, CheckpointPolicy.MUST_SAVE]
     # `max.default` names one overload: max.dim (values and indices) is recomputed
-    assert decide(None, aten.max.default) == CheckpointPolicy.MUST_SAVE
-    assert decide(None, aten.max.dim) == CheckpointPolicy.PREFER_RECOMPUTE
+    assert decide(context, aten.max.default) == CheckpointPolicy.MUST_SAVE
+    assert decide(context, aten.max.dim) == CheckpointPolicy.PREFER_RECOMPUTE
     # torchtitan's list holds torch's compute-intensive ops, as its own does
     assert {str(op) for op in get_default_op_list().compute_intensive_ops} <= {
         f"aten.{name}" for name in TORCHTITAN_SAVE}
@@ -184,6 +186,21 @@ def test_offload_leaves_no_saved_activation_on_the_device():
     assert forward["breakdown"]["offloaded"] > 0
     assert forward["peak_bytes"] == sum(v for k, v in forward["breakdown"].items()
                                         if k != "offloaded")
+
+
+def test_full_offload_moves_each_blocks_input_to_the_host_and_back():
+    """Full checkpointing keeps each block's input on the device; full_offload keeps it on the
+    host instead, every byte of it: the saved activations fall by exactly the blocks' inputs,
+    (layers x batch x sequence x width, fp32), which the host holds, and which a step copies
+    there and back. Same gradients as `none` (test_same_gradients_as_no_checkpointing)."""
+    full, offloaded = deep_memory("checkpointing=full"), deep_memory("checkpointing=full_offload")
+    cfg = compose_train(*DEEP_TRANSFORMER)
+    inputs = (cfg.model.n_layers * cfg.data.batch_size * cfg.data.seq_len * cfg.model.d_model
+              * 4)
+    assert full["saved_activations_bytes"] - offloaded["saved_activations_bytes"] == inputs
+    assert offloaded["offloaded_peak_bytes"] == inputs
+    assert offloaded["transfer_bytes_per_step"] == {"to_host": inputs, "to_device": inputs}
+    assert full["transfer_bytes_per_step"] == {"to_host": 0, "to_device": 0}
 
 
 # -- user models: shared slots, torch's own encoder, containers, tied block classes --------------

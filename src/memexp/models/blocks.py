@@ -94,6 +94,13 @@ def _has_children(module: nn.Module) -> bool:
     return next(unwrapped(module).children(), None) is not None
 
 
+def _has_grandchildren(module: nn.Module) -> bool:
+    """Whether a submodule of `module` has submodules of its own: a layer made of layers (a
+    transformer layer's attention and MLP), not of single ops (a convolution, its norm and
+    activation)."""
+    return any(_has_children(child) for child in unwrapped(module).children())
+
+
 def all_named_modules(model: nn.Module) -> dict[str, nn.Module]:
     """Every (name, module) of `model`, a module held in several places at each of them
     (`named_modules()` names it once, and a technique would then miss its other calls)."""
@@ -119,6 +126,16 @@ def auto_blocks(model: nn.Module) -> list[str]:
     siblings: Counter = Counter()
     for (_, kind), count in here.items():
         siblings[kind] = max(siblings[kind], count)
+    # Layers made of single ops (a convolution, its norm and activation) that sit outside every
+    # group of layers made of layers are not the blocks: wav2vec2's, HuBERT's and WavLM's
+    # convolutional feature encoder (7 such layers) beside their transformer layers (1 to 24).
+    # Inside such a group they are (ConvNeXt's layers in its stages, RegNet's in its Y layers).
+    nested = {name for name, kind in kinds.items() if _has_grandchildren(modules[name])}
+    flat_outside = {kind for kind in counts if nested and not any(
+        name in nested or any(name.startswith(f"{outer}.") for outer in nested)
+        for name, of in kinds.items() if of == kind)}
+    counts = Counter({kind: count for kind, count in counts.items()
+                      if kind not in flat_outside})
     best = max((counts[kind], siblings[kind]) for kind in counts)
     chosen = {kind for kind in counts if (counts[kind], siblings[kind]) == best}
     places = {container for container, kind in here if kind in chosen}

@@ -10,20 +10,25 @@ the first forward pass (memexp.prechecks.FirstForward).
 from __future__ import annotations
 
 import difflib
+import logging
+from collections import Counter
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Protocol
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules.batchnorm import _BatchNorm
+from torch.utils import checkpoint as torch_checkpoint
+from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import (
     CheckpointPolicy,
     checkpoint,
     create_selective_checkpoint_contexts,
 )
+from torch.utils.weak import WeakIdKeyDictionary
 
 from memexp.memory import host_resident, recomputing
 from memexp.models.blocks import (
@@ -34,6 +39,8 @@ from memexp.models.blocks import (
     whole_sequential,
 )
 from memexp.techniques import Technique, model_device
+
+log = logging.getLogger("memexp")
 
 
 class Checkpointing(Protocol):
@@ -81,7 +88,9 @@ def _all_of(*contexts: AbstractContextManager):
 def _selective_contexts(module: nn.Module, policy: OpPolicy):
     """Per-op selective checkpointing's pair of contexts (each call: a fresh cache and mm
     count), the recomputation's also keeping BatchNorm's statistics as they were."""
-    forward, recompute = create_selective_checkpoint_contexts(policy.for_one_call())
+    one_call = policy.for_one_call(type(module).__name__)
+    forward, recompute = create_selective_checkpoint_contexts(one_call)
+    one_call.cache = forward.storage
     return forward, _all_of(_recomputation(module), recompute)
 
 
@@ -206,25 +215,79 @@ def aten_ops(names: list[str], key: str) -> frozenset:
 @dataclass(frozen=True)
 class OpPolicy:
     """Which op outputs a checkpointed block keeps: those of `save` (aten packets or single
-    overloads), except every second call of `alternate` in each block call."""
+    overloads), except every second call of `alternate` in each block call, and except an
+    output the block then writes to in place (_OneCall)."""
 
     save: frozenset
     alternate: frozenset
+    # (block class, kept op, the op that wrote to its output): logged once
+    logged: set = field(default_factory=set, compare=False)
 
-    def for_one_call(self):
-        count = 0
+    def for_one_call(self, block: str) -> _OneCall:
+        """The policy of one call of a block of class `block`."""
+        return _OneCall(self, block)
 
-        def policy(ctx, func, *args, **kwargs) -> CheckpointPolicy:
-            nonlocal count
-            # a higher-order operator (flex_attention) has no overloads
-            packet = func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
-            saved = func in self.save or packet in self.save
-            if func in self.alternate or packet in self.alternate:
-                count += 1
-                saved = saved and count % 2 == 1
-            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
 
-        return policy
+def written(func, args, kwargs) -> list[Tensor]:
+    """The tensors `func` writes to in place (`div_`'s self, an `out=`), by its schema."""
+    if not isinstance(func, torch._ops.OpOverload):  # a higher-order operator: none
+        return []
+    found = []
+    for index, argument in enumerate(func._schema.arguments):
+        if argument.alias_info is not None and argument.alias_info.is_write:
+            value = (args[index] if index < len(args) and not argument.kwarg_only
+                     else kwargs.get(argument.name))
+            found += [t for t in tree_flatten(value)[0] if isinstance(t, Tensor)]
+    return found
+
+
+class _OneCall:
+    """`policy` over one call of a checkpointed block (of class `block`): the outputs of the
+    save list's ops are kept, but not one that the block then writes to in place. Mixtral's
+    router divides topk's output in place (`router_top_value /= ...`): kept, it would come back
+    at recomputation already divided, and divided again (torch refuses a changed cache entry at
+    backward: "Tensor cached during selective activation checkpoint has been mutated"). So where
+    a kept output is written to, its op is recomputed instead: its entry in `cache` (the forward
+    context's, torch's own) is marked for recomputation, and the run logs why, once a block
+    class. The policy is called after each op, with its output, and counts the calls of each op
+    as torch's cache indexes them."""
+
+    def __init__(self, policy: OpPolicy, block: str):
+        self.policy, self.block = policy, block
+        self.alternated = 0
+        self.calls: Counter = Counter()
+        self.kept = WeakIdKeyDictionary()  # a kept output's storage -> (op, its call's index)
+        self.cache: dict | None = None
+
+    def __call__(self, ctx, func, *args, **kwargs) -> CheckpointPolicy:
+        index = self.calls[func]
+        self.calls[func] += 1
+        for tensor in written(func, args, kwargs):
+            kept = self.kept.pop(tensor.untyped_storage(), None)
+            if kept is not None:
+                self.recompute(*kept, func)
+        # a higher-order operator (flex_attention) has no overloads
+        packet = func.overloadpacket if isinstance(func, torch._ops.OpOverload) else func
+        save, alternate = self.policy.save, self.policy.alternate
+        saved = func in save or packet in save
+        if func in alternate or packet in alternate:
+            self.alternated += 1
+            saved = saved and self.alternated % 2 == 1
+        if not saved:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        for tensor in tree_flatten(ctx.op_output)[0]:
+            if isinstance(tensor, Tensor):
+                self.kept[tensor.untyped_storage()] = (func, index)
+        return CheckpointPolicy.MUST_SAVE
+
+    def recompute(self, func, index: int, writer) -> None:
+        self.cache[func][index] = torch_checkpoint._RECOMPUTE
+        if (self.block, func, writer) not in self.policy.logged:
+            self.policy.logged.add((self.block, func, writer))
+            log.info("checkpointing=selective_ops: in %s, %s writes in place to the output of "
+                     "%s, which the save list keeps; kept, it would come back changed at "
+                     "recomputation, so %s is recomputed there instead", self.block, writer,
+                     func, func)
 
 
 @dataclass
@@ -342,15 +405,19 @@ class OffloadActivations(Technique):
     changes_math = None  # brought back as they were
 
     def apply(self, model: nn.Module) -> nn.Module:
-        self._device = model_device(model)
-        self._pin = self.pin_memory and self._device.type == "cuda"
-        self._parameters = {id(p.untyped_storage()) for p in model.parameters()}
+        self._watch(model)
         if self.blocks is not None:
             self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
             self.changed = wrap_each(model, self.found.names,
                                      lambda module: Offloaded(module, self),
                                      "checkpointing.blocks")
         return model
+
+    def _watch(self, model: nn.Module) -> None:
+        """Where the copies come back to, and the parameters, which are never copied."""
+        self._device = model_device(model)
+        self._pin = self.pin_memory and self._device.type == "cuda"
+        self._parameters = {id(p.untyped_storage()) for p in model.parameters()}
 
     def context(self) -> AbstractContextManager:
         return self.hooks() if self.blocks is None else nullcontext()
@@ -373,6 +440,74 @@ class OffloadActivations(Technique):
         device, host = packed
         # copy=True: on a CPU run too, backward gets a device copy, as it would on a GPU.
         return host.to(device, non_blocking=self._pin, copy=True)
+
+
+@dataclass
+class CheckpointOffload(OffloadActivations):
+    """Full checkpointing whose saved block inputs go to the host (Unsloth's offloaded gradient
+    checkpointing): every block is checkpointed as by `full`, and the one thing a checkpoint
+    keeps for backward, the block's input, waits in host memory (pinned on CUDA) instead of on
+    the device, and comes back when backward runs the block again. Only the inputs that carry a
+    gradient move, the hidden states that flow from block to block; what the model passes to
+    every block beside them (a mask, a rotary table) stays where it is. On CUDA each copy to the
+    host runs on a second stream, after the compute stream has made its tensor, so the next
+    blocks run meanwhile; the copy back waits for it, on the compute stream. `blocks` as for
+    `full`."""
+
+    blocks: list[str] = ("auto",)
+    cost_rank = 4  # recomputes whole blocks and moves their inputs to the host and back
+    planned = ({},)
+
+    def apply(self, model: nn.Module) -> nn.Module:
+        self._watch(model)
+        self._stream = (torch.cuda.Stream(self._device) if self._device.type == "cuda"
+                        else None)
+        self._held: list[tuple[Tensor, torch.cuda.Event]] = []  # the last copy's, until the next
+        self.found = resolve_blocks(model, self.blocks, "checkpointing.blocks")
+        # The offload's hooks outside the checkpoint's own, which keep nothing of what runs
+        # inside: the one thing they see saved is what the checkpoint keeps to run the block
+        # again, its inputs.
+        self.changed = wrap_each(model, self.found.names,
+                                 lambda module: Offloaded(Checkpointed(module), self),
+                                 "checkpointing.blocks")
+        return model
+
+    def context(self) -> AbstractContextManager:
+        return nullcontext()
+
+    def _pack(self, tensor: Tensor):
+        if not tensor.requires_grad:
+            return tensor
+        if self._stream is None:
+            return super()._pack(tensor)
+        compute = torch.cuda.current_stream(self._device)
+        self._stream.wait_stream(compute)
+        with torch.cuda.stream(self._stream):
+            packed = super()._pack(tensor)
+        if isinstance(packed, Tensor):  # a parameter: kept in place
+            return packed
+        copied = self._stream.record_event()
+        # The device tensor is held until the next copy starts, and the compute stream waits
+        # for this one then: the caching allocator cannot give its memory to another tensor
+        # before the copy has read it. (record_stream would say so to the allocator, tensor by
+        # tensor; a fake tensor's, in an estimate, reaches the real allocator.)
+        self._release(compute)
+        self._held = [(tensor, copied)]
+        return (*packed, copied)
+
+    def _release(self, compute: torch.cuda.Stream) -> None:
+        for _, copied in self._held:
+            compute.wait_event(copied)
+        self._held = []
+
+    def _unpack(self, packed):
+        if isinstance(packed, tuple) and len(packed) == 3:
+            device, host, copied = packed
+            compute = torch.cuda.current_stream(device)
+            self._release(compute)
+            compute.wait_event(copied)
+            packed = device, host
+        return super()._unpack(packed)
 
 
 @dataclass
