@@ -22,7 +22,9 @@ against the reference row's, in place of the gradient-peak and optimizer columns
 With --estimate, each HF or timm row's `memexp estimate` against a real run of what it
 predicts (two steps and an evaluation, the live-storage tracker). With --adapters, only LoRA and
 QLoRA against full fine-tuning (AdamW), by category at the peak (adapter_table); with both,
-their estimates against real runs.
+their estimates against real runs. With --optimizers, only the optimizer options against AdamW
+(optimizer_table: their state, their loss after 20 steps; optim.offload=cpu on the fake H100
+where the CUDA build is installed); with both, their estimates against real runs.
 
 compile=default and checkpointing=budget have their rows in bench/compile_budget.py: a compiled
 model is measured by the CPU allocator's count, which has no activation peak or breakdown for
@@ -30,6 +32,7 @@ these tables.
 
     python bench/techniques.py [--model resnet|transformer|hf-gpt2|...|timm-vit|all]
                                [--rounds 5] [--estimate] [--rows NAME ...] [--adapters]
+                               [--optimizers]
 """
 
 from __future__ import annotations
@@ -170,6 +173,7 @@ def hf_rows(model: str) -> list[Row]:
         Row("checkpointing=offload", ("checkpointing=offload",)),
         Row("precision=bf16", ("precision=bf16",)),
         accumulation_row(model),
+        Row("checkpointing=full_offload", ("checkpointing=full_offload",)),
     ]
     if "model=hf" in MODELS[model]:
         rows.insert(5, Row("the library's own gradient checkpointing",
@@ -233,6 +237,92 @@ def rows_for(model: str) -> list[Row]:
             Row("model.inplace=true", ("model.inplace=true",)),
         ]
     return rows
+
+
+# The optimizer options against AdamW (--optimizers): their state, and what they learn in
+# OPTIMIZER_STEPS steps, all measured (the storage tracker runs torchao's steps eagerly, as
+# compiled on 2 CPU cores each took 15-55 s).
+OPTIMIZER_ROWS = [Row(f"optim={name}", (f"optim={name}",), ref=None) for name in
+                  ("adamw", "adamw_bf16", "adamw_8bit", "adamw_4bit", "adamw_fp8", "muon")]
+OPTIMIZER_STEPS = 20
+
+
+def optimizer_table(model: str) -> str:
+    """Each optimizer option over OPTIMIZER_STEPS steps against AdamW: the peak, the optimizer's
+    state in the optimizer phase (the meter reads it from the optimizer's own tensors), the
+    loss at the last step and the mean of the last 5; then optim.offload=cpu, refused on CPU,
+    estimated on the fake H100 where the CUDA build is installed (offload_table)."""
+    lines = [f"| {model}: optimizer | peak MiB | optimizer MiB | x adamw | loss at step "
+             f"{OPTIMIZER_STEPS} | x adamw | mean of the last 5 | x adamw |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    runs = {}
+    for row in OPTIMIZER_ROWS:
+        trainer = Trainer(compose_row(model, row, f"trainer.max_steps={OPTIMIZER_STEPS}",
+                                      f"memory.measure_steps={OPTIMIZER_STEPS}"))
+        runs[row.name] = (trainer, trainer.fit(NoLogger()).losses, trainer.meter.report())
+    _, base_losses, base = runs[OPTIMIZER_ROWS[0].name]
+    base_state = base["phases"]["optimizer"]["breakdown"]["optimizer"]
+    for name, (_, losses, memory) in runs.items():
+        state = memory["phases"]["optimizer"]["breakdown"]["optimizer"]
+        tail, base_tail = sum(losses[-5:]) / 5, sum(base_losses[-5:]) / 5
+        lines.append(f"| {name} | {memory['peak_bytes'] / MIB:.2f} | {state / MIB:.2f} | "
+                     f"{state / base_state:.3f} | {losses[-1]:.4f} | "
+                     f"{losses[-1] / base_losses[-1]:.4f} | {tail:.4f} | {tail / base_tail:.4f} |")
+    muon = runs["optim=muon"][0]
+    stepped = sum(p.numel() for g in muon.optimizer.optimizers[0].param_groups for p in g["params"])
+    trained = sum(p.numel() for p in muon.model.parameters() if p.requires_grad)
+    lines.append(f"\nmuon steps {stepped:,} of the {trained:,} trained parameters "
+                 f"({stepped / trained:.0%}): the blocks' 2-D weights; AdamW the rest. "
+                 f"Loss at step 1: {base_losses[0]:.4f}. Overrides: {' '.join(MODELS[model])}")
+    lines.append(f"\n{muon_where_blocks_hold_most(model)}")
+    try:
+        Trainer(compose_row(model, Row("offload", ("optim=adamw", "optim.offload=cpu"))))
+    except ValueError as refused:
+        lines.append(f"\noptim.offload=cpu on CPU: refused ({str(refused).split(':')[1].strip()})")
+    return "\n".join(lines + ["", offload_table(model)])
+
+
+def muon_where_blocks_hold_most(model: str, vocab: int = 64) -> str:
+    """Muon against AdamW on the same model with a `vocab`-word vocabulary, where the blocks'
+    2-D weights are most of the parameters (the bench models' embeddings and head are not)."""
+    small = f"++model.config.vocab_size={vocab}"
+    state, share = {}, 0.0
+    for name in ("adamw", "muon"):
+        trainer = Trainer(compose_row(model, Row(name, (f"optim={name}", small)),
+                                      "trainer.max_steps=2"))
+        state[name] = two_steps(trainer)["phases"]["optimizer"]["breakdown"]["optimizer"]
+        if name == "muon":
+            stepped = sum(p.numel() for g in trainer.optimizer.optimizers[0].param_groups
+                          for p in g["params"])
+            share = stepped / sum(p.numel() for p in trainer.model.parameters())
+    return (f"muon at a {vocab}-word vocabulary ({share:.0%} of the parameters in the blocks' "
+            f"2-D weights): optimizer state {state['muon'] / MIB:.2f} MiB against AdamW's "
+            f"{state['adamw'] / MIB:.2f} MiB, {state['muon'] / state['adamw']:.3f}x")
+
+
+def offload_table(model: str) -> str:
+    """AdamW with and without optim.offload=cpu (and offload_gradients), estimated for an H100
+    on the CUDA build's fake device: the device's optimizer state and gradients, the host's
+    bytes, and what a step copies to the host and back."""
+    from memexp.cudatrace import cuda_python
+
+    if cuda_python() is None:
+        return "(no CUDA build of torch: `make cuda-estimator` for the offload rows)"
+    lines = [f"| {model}: on the fake h100 | allocated peak MiB | device optimizer MiB | "
+             "device grads MiB (optimizer phase) | host peak MiB | to host MiB/step | "
+             "to device MiB/step |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for name, extra in (("optim=adamw", ()), ("optim.offload=cpu", ("optim.offload=cpu",)),
+                        ("+ optim.offload_gradients", ("optim.offload=cpu",
+                                                       "optim.offload_gradients=true"))):
+        memory = estimate(compose_row(model, Row(name, ("optim=adamw", *extra)),
+                                      "trainer.device=cuda"), "cuda", "h100").memory
+        at_step = memory["phases"]["optimizer"]["breakdown"]
+        moved = memory["transfer_bytes_per_step"]
+        lines.append(f"| {name} | {memory['allocated_peak_bytes'] / MIB:.2f} | "
+                     f"{at_step['optimizer'] / MIB:.2f} | {at_step['grads'] / MIB:.2f} | "
+                     f"{memory['offloaded_peak_bytes'] / MIB:.2f} | "
+                     f"{moved['to_host'] / MIB:.2f} | {moved['to_device'] / MIB:.2f} |")
+    return "\n".join(lines)
 
 
 def compose_row(model: str, row: Row, *extra: str):
@@ -463,6 +553,9 @@ def main() -> None:
                              "they are compared with), e.g. --rows loss=chunked_ce")
     parser.add_argument("--adapters", action="store_true",
                         help="only the adapter table (LoRA, QLoRA against full fine-tuning)")
+    parser.add_argument("--optimizers", action="store_true",
+                        help="only the optimizer table (bf16, 8-bit, 4-bit and fp8 state, Muon, "
+                             "the step on the host, against AdamW)")
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
     print(describe_machine())
@@ -472,6 +565,10 @@ def main() -> None:
             print(adapter_table(model, args.rounds) if not args.estimate else estimate_table(
                 model, rows=[Row(row.name, (*row.overrides, "optim=adamw"))
                              for row in ADAPTER_ROWS]))
+            continue
+        if args.optimizers:
+            print(optimizer_table(model) if not args.estimate else estimate_table(
+                model, rows=OPTIMIZER_ROWS))
             continue
         # The HF and timm models (those in NO_DROPOUT) have tables of their own.
         print(hf_table(model, args.rounds, args.rows) if model in NO_DROPOUT
