@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
+from memexp.techniques.precision import Autocast, cast
 from memexp.trainer import NonFiniteLoss, Trainer
 
 from conftest import compose_train, step_memory, train
@@ -62,6 +64,31 @@ def test_pure_fp16_adam_diverges_without_master_weights():
     assert all(torch.isfinite(torch.tensor(master.losses)))
 
 
+def test_autocast_stores_frozen_weights_in_its_dtype_but_batchnorm_s():
+    """precision=bf16 stores the weights that do not train in bf16 (precision.frozen=compute),
+    the trained ones and the buffers in fp32; precision.frozen=fp32 keeps them all fp32. A
+    frozen BatchNorm keeps fp32 weights: in bf16, beside its fp32 running statistics, its op
+    fails."""
+    def model() -> nn.Sequential:
+        torch.manual_seed(0)
+        layers = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 2))
+        layers[:2].requires_grad_(False)  # the first Linear and the BatchNorm
+        return layers
+
+    stored = Autocast(dtype="bfloat16").apply(model())
+    assert [p.dtype for p in stored.parameters()] == [torch.bfloat16] * 2 + [torch.float32] * 4
+    assert {b.dtype for b in stored.buffers() if b.is_floating_point()} == {torch.float32}
+    kept = Autocast(dtype="bfloat16", frozen="fp32").apply(model())
+    assert {p.dtype for p in kept.parameters()} == {torch.float32}
+    x = torch.randn(16, 4)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        stored(x).sum().backward()
+    cast(stored, torch.bfloat16, stored[1].parameters())  # its weights, not its statistics
+    with pytest.raises(RuntimeError, match="expected scalar type BFloat16 but found Float"):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            stored(x)
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_tf32_on_cpu_is_a_clear_error():
     with pytest.raises(ValueError, match="precision=tf32 needs a CUDA device"):
@@ -114,3 +141,33 @@ def test_a_half_precision_run_on_a_cpu_says_its_times_do_not_carry_over(tmp_path
     note = "note: half precision on a CPU, where its kernels are emulated or slow: these step " \
            "times do not carry over to a GPU"
     assert (note in caplog.text) == noted
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_float8_on_cpu_is_refused_with_its_reason():
+    """Float8 matmuls need an NVIDIA GPU of compute capability 8.9 or above; the refusal says so
+    and how to estimate it (tests/test_optim.py traces it on the fake H100)."""
+    with pytest.raises(ValueError, match=r"precision=float8 needs a CUDA device \(its matmuls "
+                                         r"run in float8 .* compute capability 8\.9"):
+        Trainer(compose_train("precision=float8", "trainer.device=cpu"))
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs a GPU of compute capability 8.9 or above")
+def test_float8_trains_as_bf16_on_a_gpu():
+    """The blocks' linears become torchao's Float8Linear, and 40 steps land within 2% of
+    bf16's loss (as amp's and bf16's of fp32's); the head stays an nn.Linear."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    llama = ("model=hf", "model.arch=llama", "model.task=causal_lm",
+             "+model.config.num_hidden_layers=2", "+model.config.hidden_size=256",
+             "+model.config.num_attention_heads=4", "+model.config.num_key_value_heads=2",
+             "+model.config.intermediate_size=512", "+model.config.vocab_size=1024",
+             "data.seq_len=128", "data.batch_size=8", "trainer.device=cuda",
+             "memory.track=false")
+    _, bf16 = train(*llama, "precision=bf16", steps=40)
+    trainer, float8 = train(*llama, "precision=float8", steps=40)
+    assert sum(isinstance(m, Float8Linear) for m in trainer.model.modules()) == 2 * 7
+    assert type(trainer.model.lm_head) is torch.nn.Linear
+    assert sum(float8.losses[-10:]) / 10 == pytest.approx(sum(bf16.losses[-10:]) / 10, rel=0.02)

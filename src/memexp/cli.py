@@ -16,7 +16,7 @@ from memexp import import_from_working_directory
 from memexp.errors import BAD_INPUT, reader_left
 from memexp.errors import describe as describe_error
 from memexp.gpus import GPUS, gpu
-from memexp.result import RECORD, BadRecord, load_record, printable, summary
+from memexp.result import RECORD, BadRecord, load_record, mib, printable, summary
 
 
 def show(args: argparse.Namespace) -> int:
@@ -74,7 +74,10 @@ def estimate(args: argparse.Namespace) -> int:
                           "flops_per_step": result.flops, "seconds": result.seconds,
                           "target": result.target, "trace": result.trace, "gpu": result.gpu,
                           "torch": result.torch, "attention": attention_kernels(result),
-                          "optimizer": optimizer_kernels(result)},
+                          "optimizer": optimizer_kernels(result),
+                          "routing": result.routing,
+                          "step_time": (None if result.step_time is None
+                                        else result.step_time.as_dict())},
                          indent=2))
     else:
         print(describe(cfg, result))
@@ -123,9 +126,15 @@ def plan(args: argparse.Namespace) -> int:
     arguments = [a for a in args.arguments if not a.startswith("budget=")]
     plans = planner.plan(arguments, budget, args.target, gpu_for(args), args.allow_changes,
                          show=lambda line: print(line, file=sys.stderr, flush=True),
-                         world_sizes=ranks)
+                         world_sizes=ranks, headroom=args.headroom)
+    if args.headroom is not None:
+        budget += f" less {args.headroom} headroom ({mib(planner.fits_in(budget, args.headroom))})"
     print(planner.describe(arguments, budget, plans, args.allow_changes))
+    if not plans:
+        return 130  # interrupted before a candidate was settled
     print("\n" + planner.covered(plans[0].search))
+    if plans[0].search.settled < plans[0].search.candidates:
+        return 130  # interrupted (a Ctrl-C): what was settled is printed, nothing is verified
     if args.verify:
         print("\n" + planner.verify(arguments, [p for p in plans if p.fits][:args.verify],
                                      args.verify_steps))
@@ -186,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.add_argument("--world-size", default="1", metavar="N",
                              help="ranks to plan for: parallel=ddp, zero1 and fsdp are searched "
                                   "too, per rank; 2,4,8 plans for the smallest that fits")
+    plan_parser.add_argument("--headroom", metavar="SHARE",
+                             help="plan below the budget by this much: a share of it (10%% or "
+                                  "0.1) or a size (2GiB), where a card's usable memory is below "
+                                  "its nominal size")
     plan_parser.add_argument("--verify", type=int, default=0, metavar="K",
                              help="run the K cheapest plans for real and compare")
     plan_parser.add_argument("--verify-steps", type=int, default=5,
@@ -193,7 +206,15 @@ def main(argv: list[str] | None = None) -> int:
     plan_parser.set_defaults(handler=plan)
     import_from_working_directory()
     try:
-        args = parser.parse_args(argv)
+        # Overrides and flags in any order: what follows a flag's value is the command's
+        # overrides still (`plan budget=80GB --world-size 8 precision=bf16`).
+        args, rest = parser.parse_known_args(argv)
+        overrides = "overrides" if "overrides" in args else "arguments"
+        flags = [token for token in rest if token.startswith("-")]
+        if flags or rest and overrides not in args:
+            parser.error(f"unrecognized arguments: {' '.join(flags or rest)}")
+        if rest:
+            setattr(args, overrides, [*getattr(args, overrides), *rest])
         try:
             return args.handler(args)
         except BAD_INPUT as error:  # named by the check that failed, with the valid choices

@@ -41,9 +41,9 @@ Where the estimate and a real run can differ:
 
 from __future__ import annotations
 
+import functools
 import linecache
 import time
-import traceback
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
@@ -75,7 +75,8 @@ from memexp.build import build, build_model
 from memexp.config import config_dir, target_path
 from memexp.data import synthetic_tokens
 from memexp.data.tensors import Batch, Data
-from memexp.estimate_parallel import fake_rank
+from memexp.estimate_moe import SHAPES, Routing, calling_frame, routing_lines
+from memexp.estimate_parallel import ONE_PROCESS, FakeRank, OneProcess, check_world_size
 from memexp.first_steps import first_steps
 from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
@@ -83,6 +84,7 @@ from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
+from memexp.steptime import StepTime, StepTimer, step_time_lines
 from memexp.techniques import check_estimable
 from memexp.trainer import Trainer
 
@@ -104,11 +106,17 @@ class _Values(TorchDispatchMode):
     boolean (a finite-check passes). Any other op whose output depends on a fake tensor's
     values (`nonzero` and `unique` for their size, `equal`) is refused, naming the op and
     where the model runs it. So is reading a value drawn at random (_drawn_at_random): which
-    way a branch on it goes is chance, not something a true or a 0 can stand for."""
+    way a branch on it goes is chance, not something a true or a 0 can stand for.
 
-    def __init__(self, fake: FakeTensorMode):
+    A router's choices (topk's indices) are the exception: made for real as `routing` assumes
+    them (memexp.estimate_moe), so that the experts' loop takes each one's tokens as in a run
+    with that spread; and torch._grouped_mm, whose meta kernel takes bf16 only, gets a shape
+    function for any float (estimate_moe.SHAPES)."""
+
+    def __init__(self, fake: FakeTensorMode, routing: Routing):
         super().__init__()
         self.fake = fake
+        self.routing = routing
         self.making_batches = False
         # the storages of fake tensors drawn at random (by id, held weakly): see
         # _drawn_at_random. Their storages, not the tensors: torch refuses to swap a module's
@@ -121,8 +129,11 @@ class _Values(TorchDispatchMode):
         try:
             if self._on_real_data(args, kwargs):
                 with unset_fake_temporarily():
-                    return func(*args, **kwargs)
-            out = func(*args, **kwargs)
+                    out = func(*args, **kwargs)
+                self.routing.follow(func, args, kwargs, out)
+                return out
+            out = self.routing.choose(func, args, kwargs,
+                                      SHAPES.get(func, func)(*args, **kwargs))
             if self._integers_made_on_host(func, args, kwargs, out):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
@@ -238,13 +249,13 @@ class _RealBatches:
 def _where() -> str:
     """Where the model runs the op being dispatched: the innermost module method that called
     it ("" outside any)."""
-    for frame, line in traceback.walk_stack(None):
-        module = frame.f_locals.get("self")
-        if isinstance(module, nn.Module):
-            code = linecache.getline(frame.f_code.co_filename, line).strip()
-            return (f" in {type(module).__name__}.{frame.f_code.co_name} "
-                    f"({frame.f_code.co_filename}, line {line}: {code})")
-    return ""
+    found = calling_frame()
+    if found is None:
+        return ""
+    module, frame, line = found
+    code = linecache.getline(frame.f_code.co_filename, line).strip()
+    return (f" in {type(module).__name__}.{frame.f_code.co_name} "
+            f"({frame.f_code.co_filename}, line {line}: {code})")
 
 
 def random_branch(func) -> str:
@@ -313,13 +324,14 @@ class _FlopsByPhase(TorchDispatchMode):
     """FLOPs of matmuls and convolutions (torch's own formulas), by the meter's phase: backward
     includes what activation checkpointing recomputes. Also the ops each phase ran, with the
     dtype of their (first) output: which attention kernel, which optimizer ops, what autocast
-    ran in half."""
+    ran in half; and, for a GPU, each op priced on it (`timer`, memexp.steptime)."""
 
-    def __init__(self):
+    def __init__(self, timer: StepTimer | None = None):
         super().__init__()
         self.by_phase: dict[str, int] = defaultdict(int)
         self.ops: dict[str, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
         self.phase = lambda: "other"
+        self.timer = timer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -332,9 +344,12 @@ class _FlopsByPhase(TorchDispatchMode):
             if out is not NotImplemented:
                 return out
         out = func(*args, **kwargs)
-        if formula is not None:
-            self.by_phase[self.phase()] += formula(*args, **kwargs, out_val=out)
-        self.ops[self.phase()][str(func._overloadpacket)].add(_first_dtype(out))
+        phase = self.phase()
+        flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
+        self.by_phase[phase] += flops
+        self.ops[phase][str(func._overloadpacket)].add(_first_dtype(out))
+        if self.timer is not None:
+            self.timer.record(func, args, kwargs, out, flops, phase)
         return out
 
 
@@ -369,6 +384,19 @@ class Estimate:
     world_size: int = 1
     heaviest_rank: int = 0
     other_rank: dict | None = None
+    # an MoE model's routers and what the trace assumed of their choices (estimate_moe.Routing:
+    # None without one); where those choices set sizes, "unbalanced" holds the peak (bytes and
+    # phase) traced with an unbalanced spread
+    routing: dict | None = None
+    # a CUDA estimate's predicted time of one optimizer step on its GPU (memexp.steptime)
+    step_time: StepTime | None = None
+    # adapter=qlora: the library that held the 4-bit weights in the trace, as in the run
+    # (memexp.techniques.adapter.QLoRA.backend_for); None without 4-bit weights
+    quantized_by: str | None = None
+
+    def __post_init__(self):
+        if isinstance(self.step_time, dict):  # from JSON: the CUDA trace's process
+            self.step_time = StepTime(**self.step_time)
 
 
 def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
@@ -384,6 +412,7 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
     loss_target = (get_object(cfg.loss._target_)
                    if cfg.loss._target_ in registry.target_names("loss") else None)
     check_estimable(parallel, world_size, loss_target)
+    check_world_size(world_size)
     if not get_class(cfg.compile._target_).estimable:
         raise ValueError(
             f"compile={cfg.compile.mode}: memexp estimate traces the eager aten ops on fake "
@@ -395,18 +424,33 @@ def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",
     if python is not None:  # the whole estimate, each rank's trace too, in the CUDA build
         return Estimate(**cudatrace.run(OmegaConf.to_container(cfg, resolve=True),
                                         gpu(gpu_key), python, world_size))
-    if not parallel.distributed:
-        return one_process(cfg, target, gpu_key)
-    return on_ranks(world_size, lambda: one_process(cfg, target, gpu_key))
+
+    def traced(routing: str) -> Estimate:
+        if not parallel.distributed:
+            return one_process(cfg, target, gpu_key, routing)
+        return on_ranks(world_size,
+                        lambda rank: one_process(cfg, target, gpu_key, routing, rank))
+
+    result = traced("even")
+    # An MoE model whose router's choices set sizes (the eager loop over experts): the even
+    # spread is an assumption, and an unbalanced one is traced beside it.
+    if result.routing is not None and result.routing["decides_sizes"]:
+        unbalanced = traced("unbalanced")
+        result.routing["unbalanced"] = {key: unbalanced.memory[key]
+                                        for key in ("peak_bytes", "peak_phase")}
+        result.seconds += unbalanced.seconds
+    return result
 
 
-def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:
-    """The estimate of the one process, or the one rank, that this process is: for a GPU, on
+def one_process(cfg: DictConfig, target: str, gpu_key: str, routing: str = "even",
+                rank: OneProcess | FakeRank = ONE_PROCESS) -> Estimate:
+    """The estimate of the one process, or the one `rank`, that this process is: for a GPU, on
     CUDA's kernels where this torch has them (the trace process, on its fake device), else on
-    the CPU stand-in."""
+    the CPU stand-in. `routing`: what an MoE router is assumed to choose (estimate_moe)."""
     if target == "cpu":
-        return trace(cfg, "cpu")
-    return trace(cfg, "cuda" if torch.cuda.is_available() else "cpu", gpu(gpu_key))
+        return trace(cfg, "cpu", routing=routing, rank=rank)
+    return trace(cfg, "cuda" if torch.cuda.is_available() else "cpu", gpu(gpu_key), routing,
+                 rank)
 
 
 # Steps traced. Two set the peak: the optimizer state that step 1 creates is alive throughout
@@ -417,27 +461,31 @@ def one_process(cfg: DictConfig, target: str, gpu_key: str) -> Estimate:
 PEAK_STEPS, RESERVED_STEPS = 2, 3
 
 
-def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
+def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None,
+          routing: str = "even", rank: OneProcess | FakeRank = ONE_PROCESS) -> Estimate:
     """Trace the run's first steps on `kernels` ("cpu" or "cuda"). For a GPU `device`, model
-    the caching allocator and the cuBLAS workspaces, and add the CUDA context."""
+    the caching allocator and the cuBLAS workspaces, and add the CUDA context. An MoE router's
+    choices are assumed as `routing` says (memexp.estimate_moe). A `rank` joins its fake
+    process group once its data is known to fill every rank's batch."""
     started = time.perf_counter()
     steps = RESERVED_STEPS if device is not None else PEAK_STEPS
     cfg = steps_to_trace(cfg, kernels, steps)
     allocator = CachingAllocatorModel() if device is not None else None
-    data = build(stand_in_data(cfg.data))
+    data = stand_in(cfg.data)
+    rank.check_samples(data)
     check_before_tracing(cfg, data)
     if kernels == "cuda":
         torch.cuda.init()  # torch's per-device tables, filled from the device's answers
     fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
         allow_non_fake_inputs=True)
-    values = _Values(fake)
-    flops = _FlopsByPhase()
+    values = _Values(fake, Routing(routing))
+    flops = _FlopsByPhase(None if device is None else StepTimer(device, kernels, steps))
     # The model is built on the meta device and given fake storage: initialisers skip meta
     # tensors, and some loop on values a trace does not have (nn.init.trunc_normal_ resamples
     # until no value is out of range). Values never change memory.
     with torch.device("meta"):
         model = build_model(cfg.model)
-    with fake, values, _foreach_for_fake_tensors(), ExitStack() as modes:
+    with rank.joined(), fake, values, _foreach_for_fake_tensors(), ExitStack() as modes:
         if kernels == "cuda":  # from the first op: fully_shard pins as it shards
             modes.enter_context(cudatrace.PinnedHostMemory())
         trainer = Trainer(cfg, allocator=allocator, data=_RealBatches(data, values),
@@ -447,6 +495,8 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         # is a read of a weight, not a branch on chance. Only the steps' own draws count.
         values.random.clear()
         flops.phase = lambda: trainer.meter.tracker.phase
+        if flops.timer is not None:  # a collective's traffic depends on the ranks
+            flops.timer.world_size = trainer.parallel.world_size
         if device is not None:
             workspaces = modes.enter_context(cudatrace.CublasWorkspaces(allocator, device))
             workspaces.phase = flops.phase
@@ -463,7 +513,7 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
     per_step = {phase: flops.by_phase[phase] // steps
                 for phase in ("forward", "backward", "optimizer")}
     per_step["eval"] = flops.by_phase["eval"] // 2  # two eval batches
-    parameters = sum(p.numel() for p in trainer.model.parameters())
+    parameters = sum(p.numel() for p in trainer.model.parameters()) + trainer.adapter.packed()
     return Estimate(
         memory, parameters, per_step, time.perf_counter() - started,
         target="cpu" if device is None else "cuda",
@@ -472,7 +522,10 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None) -> Estimate:
         rank=trainer.parallel.rank, world_size=trainer.parallel.world_size,
         heaviest_rank=trainer.parallel.heaviest_rank(),
         ops={phase: {op: sorted(dtypes) for op, dtypes in sorted(ops.items())}
-             for phase, ops in flops.ops.items()})
+             for phase, ops in flops.ops.items()},
+        routing=values.routing.record(),
+        step_time=None if flops.timer is None else flops.timer.result(),
+        quantized_by=trainer.adapter.quantized_by)
 
 
 def with_storage(model: nn.Module) -> nn.Module:
@@ -524,6 +577,19 @@ def check_before_tracing(cfg: DictConfig, data) -> None:
     batch = data.first_batch()
     check_signature(model, batch, loss.passes_labels)
     dry_run(model, batch, loss)
+
+
+def stand_in(data: DictConfig) -> Data:
+    """The stand-in data set of `data` (stand_in_data), built once for the traces that share it:
+    memexp plan traces one data set at many depths and options, and a set of 8192-token
+    sequences takes a second to build. A trace only reads a data set: each epoch's order, and
+    each batch, is made anew from it."""
+    return _built(OmegaConf.to_yaml(stand_in_data(data)))
+
+
+@functools.lru_cache(maxsize=2)  # a plan's data sets: one per micro-batch size
+def _built(config: str) -> Data:
+    return build(OmegaConf.create(config))
 
 
 def stand_in_data(data: DictConfig) -> DictConfig:
@@ -590,6 +656,8 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
         lines += cuda_lines(result)
     else:
         lines.append(f"  peak         {mib(memory['peak_bytes'])} in {memory['peak_phase']}")
+    lines += routing_lines(result.routing, memory["peak_bytes"], mib)
+    lines += quantized_lines(cfg, result)
     header = f"  {'phase':<10}{'peak':>12}" + "".join(f"{c:>13}" for c in CATEGORY_ORDER)
     lines += ["", header]
     for name, phase in memory["phases"].items():
@@ -601,11 +669,34 @@ def describe(cfg: DictConfig, result: Estimate) -> str:
         temporaries = memory["phases"]["optimizer"]["breakdown"]["other"]
         lines.append(f"  optimizer step: {optimizer_kernels(result)}, its temporaries in the "
                      f"optimizer row's other ({mib(temporaries)})")
+    transfers = memory.get("transfer_bytes_per_step") or {}
+    if memory.get("offloaded_peak_bytes"):  # offloading: the host's memory, and the copies
+        lines.append(f"  host         {mib(memory['offloaded_peak_bytes'])} at its peak (the "
+                     "offloaded column: what it held at each phase's peak); copies "
+                     f"{mib(transfers.get('to_host', 0))} to it and "
+                     f"{mib(transfers.get('to_device', 0))} back a step")
     flops = result.flops
     lines += ["", f"  FLOPs/step   forward {flops['forward'] / 1e9:,.2f} G, backward "
               f"{flops['backward'] / 1e9:,.2f} G (recomputation included), eval batch "
               f"{flops['eval'] / 1e9:,.2f} G"]
+    if result.step_time is not None:
+        lines += [""] + step_time_lines(result.step_time, cfg.optim.accumulate, result.trace)
     return "\n".join(lines)
+
+
+def quantized_lines(cfg: DictConfig, result: Estimate) -> list[str]:
+    """adapter=qlora: which library held the 4-bit weights in the trace. A CUDA run takes
+    bitsandbytes where it is installed (adapter.backend=auto), so a CUDA estimate that traced
+    torchao's says what that run would do instead."""
+    if result.quantized_by is None:
+        return []
+    line = f"  4-bit        the adapted layers' weights in NF4 by {result.quantized_by}"
+    if result.target == "cuda" and result.quantized_by == "torchao" and \
+            cfg.adapter.backend == "auto":
+        line += (" (bitsandbytes is not installed beside the traced torch: a CUDA run with it "
+                 "would hold them in its Linear4bit, the same bytes but other temporaries; "
+                 "`make cuda-estimator` installs it)")
+    return [line]
 
 
 def device_label(result: Estimate) -> str:
@@ -673,15 +764,13 @@ def uncounted_lines(memory: dict) -> list[str]:
     return lines
 
 
-def on_ranks(world_size: int, traced: Callable[[], Estimate]) -> Estimate:
-    """`traced()` as the rank of `world_size` with the largest peak: rank 0, or the rank its
-    parallel option says holds more (then both are traced)."""
-    with fake_rank(0, world_size):
-        first = traced()
+def on_ranks(world_size: int, traced: Callable[[FakeRank], Estimate]) -> Estimate:
+    """`traced(rank)` for the rank of `world_size` with the largest peak: rank 0, or the rank
+    its parallel option says holds more (then both are traced)."""
+    first = traced(FakeRank(0, world_size))
     if first.heaviest_rank == 0:
         return first
-    with fake_rank(first.heaviest_rank, world_size):
-        other = traced()
+    other = traced(FakeRank(first.heaviest_rank, world_size))
     heaviest, lighter = sorted((other, first), key=lambda result: result.memory["peak_bytes"],
                                reverse=True)
     heaviest.seconds = first.seconds + other.seconds

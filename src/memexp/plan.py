@@ -3,32 +3,46 @@
 The search space is precision x optim x bn_mode x adapter x loss ("what is computed") times
 checkpointing x accumulation ("how much is kept"). Each group's candidates come from the command
 line (sweep syntax: `precision=fp32,bf16`) or else from the classes (their `planned`,
-memexp.registry; for optim, the configured optimizer and the `lighter` classes its class names;
+memexp.registry; for optim, the configured optimizer, the options its class plans (bf16
+moments, a step on the host) and those of the `lighter` classes its class names;
 the adapters only where `adapter.target_modules=[auto]` finds layers to adapt; for the loss, the
 user's and the planned ones that compute the same on the model: loss=chunked_ce in place of a
-cross-entropy, where it finds the head). For every "what is computed" choice the planner walks
-the "how much is kept" choices from the cheapest (no recomputation, one micro-batch) up and
-keeps the first that fits: anything after it costs more for the same result.
+cross-entropy, where it finds the head). Every combination of a "what is computed" choice and
+a "how much is kept" choice is a candidate, and every candidate is settled (memexp.settle): its
+estimate, or a bound that shows it cannot fit. Each is printed as it is settled, and a Ctrl-C
+ends the search with the table of what was settled so far. Every candidate that fits is a plan
+(a card's usable memory may be below its nominal size: `headroom` plans below the budget by
+that much); a choice that fits in no way is listed once, with its smallest peak.
+
+The estimates are the planner's cost: each is had as cheaply as it can be, and equals a full
+`memexp estimate` of its plan to the byte. Candidates are traced in parallel in forked
+workers where cores are free; what they hold from first step to last is traced once for every
+candidate that shares it, and a candidate over the budget by that alone is not traced further;
+and a model of repeated alike blocks is traced at 2, 3 and 4 of them, its figures extrapolated
+to its own depth where the traces show the blocks alike (memexp.depth).
 
 With a world size above 1 (`--world-size N`), parallel=ddp, zero1 and fsdp are searched too, each
 estimated for its rank with the largest peak (memexp.estimate_parallel), and run with
-trainer.nproc=N. Within each recomputation level, the fewest micro-batches are tried first, then
-the parallel options from the least communicated (each class's `cost_rank`).
+trainer.nproc=N.
 Given several world sizes (`--world-size 2,4,8`), the plan is for the smallest at which one fits.
 
 Any other group with options its classes plan (a technique added to conf/ with `planned` on its
 class) is searched too, on the "what is computed" side: the configured option and the planned
-ones, each with its cheapest way to fit. A planned option states `changes_math` as well. The
+ones. A planned option states `changes_math` as well. The
 plan ends with the space it covered: every group, the options it tried, and why it left out
 each of the others (`covered`).
 
 Accumulation keeps the global batch: `optim.accumulate=k` runs k micro-batches of
 data.batch_size / k samples (only for k that divide the batch).
 
-Cost is measured where it can be: recomputed FLOPs (from the traced backward pass against the
-same run without checkpointing), bytes moved to the host (offloading), and the number of
-micro-batches per step. The plans are ranked by those, in that order, and then by numerics
-(the precision class's `numerics_rank`: fp32 first) and peak memory.
+Cost is measured where it can be: for a CUDA estimate (`--target cuda --gpu NAME`), the
+predicted time of one optimizer step on that GPU (memexp.steptime, from the traced ops); then
+recomputed FLOPs (from the traced backward pass against the same run without checkpointing),
+bytes a step copies to the host and back (offloading: the meter's `transfer_bytes_per_step`),
+and the number of micro-batches per step. The plans are ranked by those, in that order, and
+then by numerics (the precision class's `numerics_rank`: fp32 first) and peak memory. A CPU
+estimate predicts no step time (the CPU is not the GPU the run is for), so its plans are
+ranked from the recomputed FLOPs on.
 
 Options that change what is learned (each option's `changes_math`, see memexp.techniques:
 frozen BatchNorm statistics, pure half precision, another optimizer, accumulation with
@@ -52,16 +66,22 @@ from hydra.utils import get_class
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
-from memexp import registry
+from memexp import depth, registry
 from memexp.app import Job, run_job
 from memexp.build import build, build_model
 from memexp.config import config_dir
-from memexp.estimate import Estimate, compose_config, estimate
-from memexp.loss import as_loss
+from memexp.estimate import (
+    Estimate,
+    check_before_tracing,
+    compose_config,
+    stand_in_data,
+)
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
-from memexp.techniques import check_combination, check_loss_combination
+from memexp.settle import TRACED_WHOLE, Candidate, Settled, settle
+from memexp.steptime import duration
+from memexp.techniques import check_combination, check_estimable, check_loss_combination
 from memexp.techniques.adapter import AUTO, resolve_targets
 from memexp.techniques.parallel import NoParallel
 
@@ -81,9 +101,15 @@ class Search:
     space: dict[str, list[str]]
     left_out: dict[str, dict[str, str]]
     fixed: dict[str, str]
-    # the combinations train.py refuses (memexp.techniques.check_combination), by its reason,
-    # with the number of candidates each left out
+    # the combinations train.py refuses (memexp.techniques.check_combination), or the
+    # estimate does (check_estimable), by its reason, with the number of candidates each left
+    # out
     refused: dict[str, int] = field(default_factory=dict)
+    candidates: int = 0  # the combinations to settle
+    # how the options the command line fixed change what is learned: the user's choice, so
+    # every plan's, said once and not ranked by
+    own_changes: list[str] = field(default_factory=list)
+    settled: int = 0  # those settled (fewer where a Ctrl-C ended the search)
 
 
 @dataclass
@@ -92,22 +118,49 @@ class Plan:
     precision: str
     accumulate: int
     communication_rank: int  # the parallel option's cost_rank (0: one process)
-    estimate: Estimate
-    recompute_flops: int
+    # its estimate (None where its bound alone is over the budget: `settled.bound`)
+    estimate: Estimate | None
+    # what recomputation adds to the same run without it (None: that run is not settled)
+    recompute_flops: int | None
     numerics_rank: int  # the precision option's (0: fp32)
     changes: list[str]  # how its options change what is learned, a line each (none: same math)
     search: Search  # the space it was chosen from
+    settled: Settled | None = None  # how its estimate was had (memexp.settle)
     fits: bool = False
 
     @property
     def peak_bytes(self) -> int:
-        """What must fit: reserved memory for a CUDA estimate, live bytes for a CPU one."""
+        """What must fit: reserved memory for a CUDA estimate, live bytes for a CPU one; where
+        it has no estimate, the bytes it holds at least."""
+        if self.estimate is None:
+            return self.settled.bound
         memory = self.estimate.memory
         return memory.get("reserved_peak_bytes") or memory["peak_bytes"]
 
+    @property
+    def transfer_bytes(self) -> int:
+        """Bytes a step copies to the host and back (offloading: activations, checkpoints'
+        inputs, the optimizer stepped on the host)."""
+        if self.estimate is None:
+            return 0
+        return sum((self.estimate.memory.get("transfer_bytes_per_step") or {}).values())
+
+    @property
+    def step_seconds(self) -> float | None:
+        """Its predicted step time on the estimate's GPU (memexp.steptime); None for a CPU
+        estimate, or without an estimate."""
+        if self.estimate is None or self.estimate.step_time is None:
+            return None
+        return self.estimate.step_time.seconds
+
     def cost(self) -> tuple:
-        return (self.recompute_flops, self.estimate.memory.get("offloaded_peak_bytes", 0),
-                self.accumulate, self.communication_rank, self.numerics_rank, self.peak_bytes)
+        """What ranks it: its predicted step time where it has one (a CUDA estimate), then
+        what recomputation adds, the bytes it moves, its micro-batches, its communication and
+        its numerics."""
+        step = float("inf") if self.step_seconds is None else self.step_seconds
+        recompute = float("inf") if self.recompute_flops is None else self.recompute_flops
+        return (step, recompute, self.transfer_bytes, self.accumulate,
+                self.communication_rank, self.numerics_rank, self.peak_bytes)
 
 
 def computed_groups() -> tuple[str, ...]:
@@ -140,9 +193,14 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
             space[group] = searched[group]
             why = "not in the command line's list"
         elif group == "optim":
-            optim = choices["optim"]
-            space[group] = [optim, *(name for lighter in get_class(cfg.optim._target_).lighter
-                                     for name in registry.options_of("optim", lighter))]
+            optim, own = choices["optim"], get_class(cfg.optim._target_)
+            # the options of its class that the class plans (adamw_bf16, adamw_offload), then
+            # those of its lighter classes
+            variants = [name for name in registry.planned("optim")
+                        if name in registry.options_of("optim", own)]
+            lighter = [name for light in own.lighter
+                       for name in registry.options_of("optim", light)]
+            space[group] = list(dict.fromkeys([optim, *variants, *lighter]))
             why = f"not lighter than optim={optim}, by its class"
         elif group == "parallel" and world_size == 1:
             space[group] = [registry.options_of("parallel", NoParallel)[0]]
@@ -187,8 +245,9 @@ def search_space(cfg: DictConfig, choices: dict[str, str], searched: dict[str, l
 def loss_options(fixed: list[str], loss: str, world_size: int = 1) -> list[str]:
     """The user's loss, and the planned losses (memexp.registry) that compute the same on this
     model: chunked_ce in place of a cross-entropy, where the model has an output head for it
-    (looked for on the meta device: structure only), and at one rank (a rank's trace refuses a
-    loss that applies the head: memexp.techniques.check_estimable)."""
+    and takes nothing after the head that chunked_ce cannot (a forward pass on the meta device,
+    as the estimate checks before tracing), and at one rank (a rank's trace refuses a loss that
+    applies the head: memexp.techniques.check_estimable)."""
     options = [loss]
     configured = compose_config(fixed).loss
     if OmegaConf.is_missing(configured, "_target_"):  # loss=custom without its target
@@ -201,11 +260,9 @@ def loss_options(fixed: list[str], loss: str, world_size: int = 1) -> list[str]:
             continue
         if world_size > 1 and target.applies_params:
             continue
-        with torch.device("meta"):
-            model = build_model(cfg.model)
         try:
-            as_loss(build(cfg.loss), model)
-        except ValueError:  # no head it can take
+            check_before_tracing(cfg, build(stand_in_data(cfg.data)))
+        except ValueError:  # no head it can take, or a step after the head it cannot take
             continue
         options.append(option)
     return options
@@ -271,7 +328,8 @@ def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: i
     """How a plan changes what is learned: each chosen option's `changes_math`, and what
     accumulation changes with its bn_mode. bn_mode changes nothing in a model without
     BatchNorm, and a group beyond the built-in search changes nothing at the run's own option
-    (`own`: a loss class need not say)."""
+    (`own`: a loss class need not say), nor does an option the user fixed (also `own`: it is
+    said once, Search.own_changes)."""
     bn_mode = chosen["bn_mode"][choices["bn_mode"]]
     choices = {group: choice for group, choice in choices.items()
                if (group != "bn_mode" or batch_norm) and own.get(group) != choice}
@@ -285,24 +343,42 @@ def math_changes(chosen: dict[str, dict], choices: dict[str, str], accumulate: i
 def plan(arguments: list[str], budget: str, target: str = "cpu",
          gpu: str = "h100", allow_changes: bool = False,
          show: Callable[[str], None] = lambda line: None,
-         world_sizes: tuple[int, ...] = (1,)) -> list[Plan]:
+         world_sizes: tuple[int, ...] = (1,), headroom: str | None = None) -> list[Plan]:
     """The plans at the smallest of `world_sizes` at which one fits (at the largest, if none
-    does): see plan_ranks."""
-    for world_size in sorted(world_sizes):
-        plans = plan_ranks(arguments, budget, target, gpu, allow_changes, show, world_size)
-        if any(p.fits for p in plans):
+    does): see plan_ranks. Each size is planned once, however often it is given. A Ctrl-C
+    ends the search: the plans settled so far are returned (their Search says how many)."""
+    limit = fits_in(budget, headroom)
+    for world_size in sorted(set(world_sizes)):
+        plans = plan_ranks(arguments, limit, target, gpu, allow_changes, show, world_size)
+        if any(p.fits for p in plans) or plans and plans[0].search.settled < (
+                plans[0].search.candidates):
             break
     return plans
 
 
-def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_changes: bool,
-               show: Callable[[str], None], world_size: int) -> list[Plan]:
-    """Every searched combination's cheapest fitting way to run on `world_size` ranks, cheapest
-    first (with, after them, the ones that fit in no way, as `fits=False`). Unless
-    `allow_changes`, a plan that changes what is learned comes after every one that keeps it,
-    and each combination tries the ways that keep it first. `show` gets a line for each
-    candidate as it is estimated (estimates take seconds each)."""
+def fits_in(budget: str, headroom: str | None = None) -> int:
+    """The bytes a plan may reach: `budget`, less `headroom` (a share of it, as 10% or 0.1, or
+    a size, as 2GiB) where memory the card reports is not all usable."""
     limit = parse_size(budget, "budget")
+    if headroom is None:
+        return limit
+    try:
+        share = (float(headroom.removesuffix("%")) / 100 if headroom.endswith("%")
+                 else float(headroom))
+    except ValueError:
+        return limit - parse_size(headroom, "--headroom")
+    if not 0 <= share < 1:
+        raise ValueError(f"--headroom {headroom}: a share of the budget, from 0 up to 100% (10% "
+                         "or 0.1), or a size such as 2GiB")
+    return int(limit * (1 - share))
+
+
+def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_changes: bool,
+               show: Callable[[str], None], world_size: int) -> list[Plan]:
+    """Every searched combination that fits in `limit` bytes on `world_size` ranks, cheapest
+    first, then each "what is computed" choice that fits in no way, with its smallest peak, as
+    `fits=False`. Unless `allow_changes`, a plan that changes what is learned comes after every
+    one that keeps it. `show` gets a line for each candidate as it is settled."""
     fixed, searched = split_arguments(arguments)
     base = compose_config(fixed)
     batch = base.data.batch_size
@@ -311,80 +387,138 @@ def plan_ranks(arguments: list[str], budget: str, target: str, gpu: str, allow_c
     space = search.space
     groups = computed_groups()
     computed_options = list(itertools.product(*(space[group] for group in groups)))
-    # the run's own option of each group beyond the built-in search
-    own = {group: choices[group] for group in groups if group not in COMPUTED}
+    # the run's own option of each group beyond the built-in search, and of each group the
+    # command line holds at one option: the user's own decision, said once (Search.own_changes)
+    given = {group: options[0] for group, options in searched.items()
+             if len(options) == 1 and group in groups}
+    own = {**{group: choices[group] for group in groups if group not in COMPUTED}, **given}
     chosen = built_options(fixed, space)
+    search.own_changes = [f"{group}={option}, which changes what is learned: "
+                          f"{chosen[group][option].changes_math}"
+                          for group, option in given.items() if group in COMPUTED
+                          and chosen[group][option].changes_math]
     batch_norm = has_batch_norm(base)  # bn_mode changes nothing without one
     # Nothing recomputed or moved first, then recomputation, then offloading (the classes say);
     # within each, the fewest micro-batches, then the parallel options from the least
-    # communicated.
+    # communicated: the order candidates are listed in, and settled in where they take alike.
     kept_options = sorted(
         ((c, p, int(k)) for c in space["checkpointing"] for p in space["parallel"]
          for k in space["optim.accumulate"]),
         key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[2],
                             chosen["parallel"][option[1]].cost_rank))
-    ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
-    show(f"memexp plan: estimating up to {len(computed_options) * len(kept_options)} "
-         f"candidates{ranks} against {budget} per rank, each until one fits:")
-    unsearched = not_searched()
-    if unsearched:
-        show(f"  not searched: {', '.join(unsearched)} (memexp estimate cannot trace a compiled "
-             "model: measure them with train.py)")
-    baseline_flops: dict[tuple, int] = {}
-    plans = []
+    candidates, plans, refused = [], {}, []
     for picks in computed_options:
         picked = dict(zip(groups, picks, strict=True))
-        precision = picked["precision"]
         computed = [f"{group}={option}" for group, option in picked.items()]
-        changes = {option: math_changes(chosen, {**picked, "checkpointing": option[0]},
-                                        option[2], batch_norm, own)
-                   for option in kept_options}
-        last = None
-        # the ways that keep the math first, unless changes are allowed: the first fit is kept
-        for checkpointing, parallel, accumulate in sorted(
-                kept_options, key=lambda option: not allow_changes and bool(changes[option])):
+        for checkpointing, parallel, accumulate in kept_options:
             overrides = [*computed, f"checkpointing={checkpointing}",
                          f"optim.accumulate={accumulate}",
                          f"data.batch_size={batch // accumulate}"]
             if world_size > 1:
                 overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
             cfg = compose_config([*fixed, *overrides])
-            why = refusal(cfg, target)
-            if why:  # train.py would refuse it before its first step: nothing to estimate
+            why = refusal(cfg, target, world_size)
+            if why:  # train.py (or the estimate) would refuse it: nothing to estimate
                 search.refused[why] = search.refused.get(why, 0) + 1
-                show(f"  {'refused':>10}        {' '.join(overrides)}: {why.split(': ')[0]}")
+                refused.append(f"  {'refused':>10}        {' '.join(overrides)}: "
+                               f"{why.split(': ')[0]}")
                 continue
-            result = estimate(cfg, target, gpu)
-            key = (*picks, accumulate)
-            train_flops = result.flops["forward"] + result.flops["backward"]
-            if chosen["checkpointing"][checkpointing].baseline:  # what recomputation adds to
-                baseline_flops[key] = train_flops
-            recompute = max(train_flops - baseline_flops.get(key, train_flops), 0)
-            last = Plan(overrides, precision, accumulate,
-                        chosen["parallel"][parallel].cost_rank, result, recompute,
-                        chosen["precision"][precision].numerics_rank,
-                        changes[checkpointing, parallel, accumulate], search)
-            last.fits = last.peak_bytes <= limit
-            show(f"  {mib(last.peak_bytes):>10}  {'fits' if last.fits else 'over':<4}  "
-                 + " ".join(overrides))
-            if last.fits:
-                break
-        if last is not None:
-            plans.append(last)
-    return sorted(plans, key=lambda p: (not p.fits, not allow_changes and bool(p.changes),
-                                        p.cost()))
+            candidates.append(Candidate(overrides, cfg, (picks, parallel)))
+            plans[id(candidates[-1])] = Plan(
+                overrides, picked["precision"], accumulate,
+                chosen["parallel"][parallel].cost_rank, None, None,
+                chosen["precision"][picked["precision"]].numerics_rank,
+                math_changes(chosen, {**picked, "checkpointing": checkpointing}, accumulate,
+                             batch_norm, own), search)
+    search.candidates = len(candidates)
+    if not candidates:
+        raise ValueError("train.py or the estimate refuses every combination "
+                         "searched: " + "; ".join(f"{why} ({count} of them)"
+                                                  for why, count in search.refused.items()))
+    with torch.device("meta"):  # structure only
+        blocks = depth.repeats(build_model(base.model))
+    ranks = f" on {world_size} ranks (trainer.nproc)" if world_size > 1 else ""
+    show(f"memexp plan: settling {len(candidates)} candidates{ranks} against "
+         f"{mib(limit)} per rank, each as it comes:")
+    unsearched = not_searched()
+    if unsearched:
+        show(f"  not searched: {', '.join(unsearched)} (memexp estimate cannot trace a compiled "
+             "model: measure them with train.py)")
+    for line in refused:
+        show(line)
+    if isinstance(blocks, str) or target != "cpu":
+        show(f"  each traced whole: {blocks if isinstance(blocks, str) else 'a CUDA estimate'}"
+             " (memexp.depth)")
+
+    def settled(candidate: Candidate, result: Settled) -> None:
+        found = plans[id(candidate)]
+        found.estimate, found.settled = result.estimate, result
+        found.fits = found.estimate is not None and found.peak_bytes <= limit
+        search.settled += 1
+        at_least = ">" if found.estimate is None else " "
+        show(f"  {at_least}{mib(found.peak_bytes):>10}  {'fits' if found.fits else 'over':<4}  "
+             f"{' '.join(candidate.overrides)}  ({result.source})")
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # no OpenMP threads before the workers fork (memexp.forked)
+    try:
+        settle(candidates, limit, target, gpu, world_size, blocks, settled)
+    except KeyboardInterrupt:
+        show(f"memexp plan: interrupted, {search.settled} of {len(candidates)} candidates "
+             "settled")
+    finally:
+        torch.set_num_threads(threads)
+    done = [p for p in plans.values() if p.settled is not None]
+    recompute_flops(done, chosen)
+    # every plan that fits; and each choice that fits in no way, with its smallest peak
+    kept = [p for p in done if p.fits]
+    choices_over: dict[tuple, Plan] = {}
+    for p in done:
+        key = tuple(p.overrides[:len(groups)])
+        if not any(f.fits and tuple(f.overrides[:len(groups)]) == key for f in kept):
+            if key not in choices_over or p.peak_bytes < choices_over[key].peak_bytes:
+                choices_over[key] = p
+    return sorted([*kept, *choices_over.values()],
+                  key=lambda p: (not p.fits, not allow_changes and bool(p.changes), p.cost()))
 
 
-def refusal(cfg: DictConfig, target: str) -> str | None:
+def recompute_flops(plans: list[Plan], chosen: dict[str, dict]) -> None:
+    """Each plan's recomputed FLOPs: its forward and backward FLOPs less those of the same run
+    with the baseline checkpointing (none), where that run is settled (on the same parallel
+    option if it is, else another: a rank computes the same)."""
+    def key(p: Plan, parallel: bool = True) -> tuple:
+        options = dict(o.split("=", 1) for o in p.overrides)
+        return (*(v for k, v in options.items() if k not in (
+            "checkpointing", *(("parallel",) if not parallel else ()))),)
+
+    def train_flops(p: Plan) -> int:
+        return p.estimate.flops["forward"] + p.estimate.flops["backward"]
+
+    baseline = {}
+    for p in plans:
+        options = dict(o.split("=", 1) for o in p.overrides)
+        if p.estimate is not None and chosen["checkpointing"][options["checkpointing"]].baseline:
+            baseline[key(p)] = baseline[key(p, False)] = train_flops(p)
+    for p in plans:
+        if p.estimate is not None:
+            base = baseline.get(key(p), baseline.get(key(p, False)))
+            p.recompute_flops = None if base is None else max(train_flops(p) - base, 0)
+
+
+def refusal(cfg: DictConfig, target: str, world_size: int = 1) -> str | None:
     """Why train.py refuses this combination of options before it builds anything (the rules
-    on the classes: memexp.techniques.check_combination), or None. The options alone are
-    built, no model; the parallel option as its class, which states what the rules read
-    (building it joins a process group)."""
+    on the classes: memexp.techniques.check_combination), or the estimate of a rank of
+    `world_size` does (check_estimable), or None. The options alone are built, no model; the
+    parallel option as its class, which states what the rules read (building it joins a
+    process group)."""
     options = {group: build(cfg[group]) for group in registry.techniques() if group != "parallel"}
     parallel = get_class(cfg.parallel._target_)
+    loss = (get_class(cfg.loss._target_) if cfg.loss._target_ in registry.target_names("loss")
+            else None)
     try:
         check_combination(**options, parallel=parallel, device=torch.device(target))
         check_loss_combination(build(cfg.loss), parallel)
+        check_estimable(parallel, world_size, loss)
     except ValueError as error:
         return str(error)
     return None
@@ -398,8 +532,16 @@ def not_searched() -> list[str]:
             for name in registry.options_of(group, target)]
 
 
+def run_overrides(fixed: list[str], plan_: Plan) -> list[str]:
+    """The user's overrides and the plan's, each key once: where the plan sets a key the user
+    did (data.batch_size, split into micro-batches), the plan's value in the user's place."""
+    own = {override.split("=", 1)[0]: override for override in plan_.overrides}
+    merged = [own.pop(override.split("=", 1)[0], override) for override in fixed]
+    return [*merged, *own.values()]
+
+
 def command(fixed: list[str], plan_: Plan) -> str:
-    return shlex.join(["python", "train.py", *fixed, *plan_.overrides])
+    return shlex.join(["python", "train.py", *run_overrides(fixed, plan_)])
 
 
 def describe(arguments: list[str], budget: str, plans: list[Plan],
@@ -407,16 +549,28 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
     fixed, _ = split_arguments(arguments)
     fitting = [p for p in plans if p.fits]
     changing = [p for p in fitting if p.changes]
-    ranks = plans[0].estimate.world_size if plans else 1
+    traced = [p.estimate for p in plans if p.estimate is not None]
+    ranks = traced[0].world_size if traced else 1
     per_rank = f" per rank, on {ranks} ranks" if ranks > 1 else ""
+    timed = [p.estimate.step_time.gpu for p in plans if p.step_seconds is not None]
+    order = (f"fastest first (predicted step time on the {timed[0]}, memexp.steptime)" if timed
+             else "by what recomputation adds (a CPU estimate predicts no step time: "
+                  "--target cuda --gpu NAME ranks by it)")
     lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget}{per_rank} "
-             f"({plans[0].estimate.target if plans else 'cpu'} estimate), cheapest first"]
+             f"({traced[0].target if traced else 'cpu'} estimate), {order}"]
+    search = plans[0].search if plans else None
+    if search is not None and search.settled < search.candidates:
+        lines.append(f"interrupted: {search.settled} of the {search.candidates} candidates "
+                     "were settled, and only those are ranked")
+    if search is not None:
+        lines += [f"every plan keeps your {change}"
+                  for change in search.own_changes]
     if changing:
         lines.append(f"{len(changing)} of them change what is learned, "
                      + ("ranked with the rest (--allow-changes)" if allow_changes else
                         "after every one that keeps it (--allow-changes ranks them by cost too)"))
-    header = (f"  {'#':>2}  {'peak':>10}  {'recompute':>10}  {'offloaded':>10}  {'micro':>5}  "
-              "command")
+    header = (f"  {'#':>2}  {'peak':>11}  {'step':>9}  {'recompute':>10}  {'moved':>10}  "
+              f"{'micro':>5}  command")
     lines += ["", header]
     titles = {"changes": "fit, but change what is learned:",
               "over": "do not fit in any searched way:"}
@@ -426,12 +580,36 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
                                  "changes" if p.changes and not allow_changes else "fits")
         if section != was:
             lines += ["", f"  {titles[section]}"]
-        lines.append(f"  {number:>2}  {mib(p.peak_bytes):>10}  "
-                     f"{p.recompute_flops / 1e9:>8.2f} G  "
-                     f"{mib(p.estimate.memory.get('offloaded_peak_bytes', 0)):>10}  "
-                     f"{p.accumulate:>5}  {command(fixed, p)}")
+        peak = mib(p.peak_bytes) if p.estimate is not None else f">{mib(p.peak_bytes)}"
+        recompute = ("-" if p.recompute_flops is None else
+                     f"{p.recompute_flops / 1e9:.2f} G")
+        step = "-" if p.step_seconds is None else duration(p.step_seconds)
+        lines.append(f"  {number:>2}  {peak:>11}  {step:>9}  {recompute:>10}  "
+                     f"{mib(p.transfer_bytes):>10}  {p.accumulate:>5}  {command(fixed, p)}")
         lines += [f"      changes what is learned: {change}" for change in p.changes]
-    return "\n".join(lines)
+    return "\n".join(lines + sources(plans))
+
+
+def sources(plans: list[Plan]) -> list[str]:
+    """How the plans' peaks were had (memexp.settle), a line each way, where any was had
+    otherwise than by a trace of the whole run."""
+    ways: dict[str, list[int]] = {}
+    for number, p in enumerate(plans, 1):
+        ways.setdefault(p.settled.source, []).append(number)
+    if set(ways) <= {TRACED_WHOLE}:
+        return []
+    lines = ["", "peaks:"]
+    for source, numbers in ways.items():
+        which = ", ".join(f"#{n}" for n in numbers)
+        if source == TRACED_WHOLE:
+            lines.append(f"  {which}: traced whole")
+        elif plans[numbers[0] - 1].estimate is None:
+            lines.append(f"  {which}: over the budget with {source} (held from the first step "
+                         "to the last), not traced further")
+        else:
+            lines.append(f"  {which}: extrapolated from traces of {source} (memexp.depth); "
+                         "each equals the full trace to the byte")
+    return lines
 
 
 def covered(search: Search) -> str:
@@ -459,7 +637,7 @@ def verify(arguments: list[str], plans: list[Plan], steps: int) -> str:
     lines = [f"verified in {folder} ({steps} steps each):",
              f"  {'#':>2}  {'estimate':>10}  {'measured':>10}  {'ratio':>6}  status"]
     for number, p in enumerate(plans, 1):
-        overrides = [*fixed, *p.overrides, f"trainer.max_steps={steps}", "logger=none"]
+        overrides = [*run_overrides(fixed, p), f"trainer.max_steps={steps}", "logger=none"]
         cfg = compose_config(overrides)
         job = Job(OmegaConf.to_container(cfg, resolve=True, enum_to_str=True),
                   folder / str(number), {}, overrides, folder.name)

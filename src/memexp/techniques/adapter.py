@@ -1,10 +1,11 @@
 """adapter: train low-rank adapters beside frozen weights (LoRA), or beside 4-bit ones (QLoRA),
 through peft.
 
-`apply(model, device)` freezes the model's weights and injects the adapters in place
-(`peft.inject_adapter_in_model`: the model keeps its own class, so its loss, its blocks and its
-output head stay where the other techniques look for them). Gradients and optimizer state then
-exist for the adapters only; the meter counts the frozen weights apart ("frozen").
+`apply(model, device, compute_dtype)` freezes the model's weights and injects the adapters in
+place (`peft.inject_adapter_in_model`: the model keeps its own class, so its loss, its blocks and
+its output head stay where the other techniques look for them). Gradients and optimizer state
+then exist for the adapters only (in fp32); the meter counts the frozen weights apart
+("frozen"), which precision stores (memexp.techniques.precision: bf16 under bf16 autocast).
 
 Which modules are adapted: `target_modules=[auto]` takes the attention and MLP projections: the
 Linear layers (and transformers' Conv1D, GPT-2's) inside the blocks memexp.models.blocks
@@ -12,20 +13,34 @@ resolves, where a block holds an attention module (by its class's name or its ow
 transformer's layers, not an MLP's or a ResNet's). The embeddings and the output head sit
 outside the blocks and stay frozen, as in the LoRA and QLoRA papers. Explicit names match a
 module's name or its last parts, as peft matches them (`q_proj` is every `*.q_proj`).
+
+An MoE's experts are no Linear layers: transformers stacks each projection of all experts into
+one 3-D parameter (Mixtral's `experts.gate_up_proj`, experts x out x in). `target_modules` cannot
+reach them, and the log says which weights of the blocks it left so (`block_weights`);
+`target_parameters` adapts them, through peft's parameter targeting (one B·A per expert,
+added to the stacked weight in each forward): `[auto]` takes the 3-D weights in the blocks.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from memexp.models.blocks import Blocks, all_named_modules, replace_module, resolve_blocks
+from memexp.extras import install_hint
+from memexp.models.blocks import (
+    Blocks,
+    Wrapper,
+    all_named_modules,
+    replace_module,
+    resolve_blocks,
+)
 from memexp.techniques import Technique
 
 log = logging.getLogger("memexp")
@@ -40,8 +55,20 @@ class Adapter(Protocol):
     found: Blocks | None  # the adapted modules
     changed: Mapping[str, nn.Module]  # the modules the adapters went into, by name
     quantized: bool  # the frozen weights are stored in 4 bits
+    quantized_by: str | None  # the library that holds them, once applied
 
-    def apply(self, model: nn.Module, device: torch.device) -> nn.Module: ...
+    def apply(self, model: nn.Module, device: torch.device,
+              compute_dtype: torch.dtype) -> nn.Module:
+        """Adapt `model` (on the host, to train on `device`); `compute_dtype` is the
+        precision's, which a 4-bit layer of bitsandbytes computes in."""
+
+    def kept_apart(self) -> list[torch.Tensor]:
+        """What the frozen weights keep outside the model's parameters and buffers, for the
+        meter to count as frozen (bitsandbytes' 4-bit scales)."""
+
+    def packed(self) -> int:
+        """The weights that parameters hold beyond their own number of elements (bitsandbytes
+        packs two 4-bit weights in a byte), for a count of the model's weights."""
 
 
 def linear_classes() -> tuple[type, ...]:
@@ -60,6 +87,17 @@ def linear_names(model: nn.Module) -> dict[str, nn.Module]:
             if isinstance(module, linear)}
 
 
+def model_name(model: nn.Module, name: str) -> str:
+    """`name` as the model names its module: a layer held by a technique's wrapper
+    (memexp.models.blocks.Wrapper: the output head that loss=chunked_ce applies itself,
+    memexp.models.head) goes by the wrapper's name, never by the wrapper's `inner`."""
+    while True:
+        parent, _, last = name.rpartition(".")
+        if last != "inner" or not isinstance(model.get_submodule(parent), Wrapper):
+            return name
+        name = parent
+
+
 def is_attention(name: str, module: nn.Module) -> bool:
     """An attention module, by its class's name or its own (GPT2Attention, LlamaAttention,
     BertSelfAttention, timm's Attention, memexp's CausalSelfAttention; `attn`, `self_attn`)."""
@@ -71,7 +109,8 @@ def resolve_targets(model: nn.Module, spec: list[str]) -> dict[str, nn.Module]:
     """The modules `adapter.target_modules` names, by full name; a refusal naming the valid
     names where it names none (or `auto` finds none)."""
     linear = linear_names(model)
-    valid = ", ".join(sorted({name.rpartition(".")[2] for name in linear})) or "none"
+    shown = {name: model_name(model, name) for name in linear}
+    valid = ", ".join(sorted({name.rpartition(".")[2] for name in shown.values()})) or "none"
     if list(spec) == [AUTO]:
         try:
             blocks = resolve_blocks(model, [AUTO], "adapter.target_modules")
@@ -95,7 +134,7 @@ def resolve_targets(model: nn.Module, spec: list[str]) -> dict[str, nn.Module]:
     found = {}
     for entry in spec:
         matched = {name: module for name, module in linear.items()
-                   if name == entry or name.endswith(f".{entry}")}
+                   if shown[name] == entry or shown[name].endswith(f".{entry}")}
         if not matched:
             raise ValueError(
                 f"adapter.target_modules: {entry!r} names no Linear layer of "
@@ -106,10 +145,92 @@ def resolve_targets(model: nn.Module, spec: list[str]) -> dict[str, nn.Module]:
     return found
 
 
+def block_weights(model: nn.Module) -> dict[str, tuple[str, nn.Parameter]]:
+    """The weights of two or more dimensions inside the blocks ([auto]) that no Linear layer
+    holds, which `target_modules` cannot adapt (an MoE's stacked experts, its router's weight):
+    by full name, each with its name in its block and the parameter. None for a model with no
+    blocks."""
+    try:
+        blocks = resolve_blocks(model, [AUTO], "adapter.target_parameters")
+    except ValueError:
+        return {}
+    linear = linear_classes()
+    found = {}
+    for block, module in zip(blocks.names, blocks.modules, strict=True):
+        for name, parameter in module.named_parameters():
+            owner = module.get_submodule(name.rpartition(".")[0])
+            if parameter.dim() >= 2 and not isinstance(owner, linear):
+                found[f"{block}.{name}"] = (name, parameter)
+    return found
+
+
+def resolve_parameters(model: nn.Module, spec: list[str]) -> dict[str, nn.Parameter]:
+    """The parameters `adapter.target_parameters` names, by full name: [auto] takes the 3-D
+    weights in the blocks (an MoE's experts); names match a parameter's name or its last
+    parts, as peft matches them. A refusal naming the valid names where one names none."""
+    weights = block_weights(model)
+    valid = ", ".join(dict.fromkeys(inner for inner, _ in weights.values())) or "none"
+    if list(spec) == [AUTO]:
+        found = {name: parameter for name, (_, parameter) in weights.items()
+                 if parameter.dim() == 3}
+        if not found:
+            raise ValueError(
+                f"adapter.target_parameters=[auto] found no 3-D weights (an MoE's experts) in "
+                f"the blocks of {type(model).__name__}. Weights there that no Linear layer "
+                f"holds: {valid}")
+        return found
+    parameters = dict(model.named_parameters())
+    found = {}
+    for entry in spec:
+        matched = {name: parameter for name, parameter in parameters.items()
+                   if (name == entry or name.endswith(f".{entry}")) and parameter.dim() >= 2}
+        if not matched:
+            raise ValueError(
+                f"adapter.target_parameters: {entry!r} names no weight of two or more "
+                f"dimensions of {type(model).__name__}" + (" (auto stands alone: [auto])"
+                                                          if entry == AUTO else "")
+                + f". Weights in its blocks that no Linear layer holds: {valid} (or [auto])")
+        found.update(matched)
+    return found
+
+
+def left_out(model: nn.Module, adapted: dict[str, nn.Parameter]) -> str:
+    """The weights in the blocks that neither target_modules nor target_parameters adapted, by
+    their names in a block, for the log ("" for none)."""
+    left = {inner: parameter.dim() for name, (inner, parameter) in block_weights(model).items()
+            if name not in adapted}
+    if not left:
+        return ""
+    hint = ("; adapter.target_parameters=[auto] adapts the 3-D ones (an MoE's experts)"
+            if 3 in left.values() else "")
+    names = ", ".join(f"{inner} ({dims}-D)" for inner, dims in left.items())
+    return f"; not adapted in the blocks, as no Linear layer holds them: {names}{hint}"
+
+
+@contextmanager
+def as_resolved() -> Iterator[None]:
+    """peft injects the targets as given. With transformers 5 installed, peft 0.21 converts a
+    LoRA config as it injects it, for adapters trained on transformers 4's MoE layout: on the
+    models whose checkpoints transformers converts to Qwen2-MoE's layout (DeepSeek-V2 and V3,
+    dots1 and others) a target named gate_proj, up_proj or down_proj (v4's experts) becomes the
+    stacked experts' parameters, with gate_up_proj's rank doubled, and the Linear layers of
+    those names (the shared experts') are dropped. Resolved targets are this model's own: asked
+    for DeepSeek-V3's shared experts, that adapted its routed experts instead, and the log
+    named the wrong layers."""
+    from peft.utils import transformers_weight_conversion as conversion
+
+    converts = conversion.convert_peft_config_for_transformers
+    conversion.convert_peft_config_for_transformers = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        conversion.convert_peft_config_for_transformers = converts
+
+
 def peft_or_refuse(option: str):
     if importlib.util.find_spec("peft") is None:
-        raise ValueError(f"adapter={option} needs peft, which is not installed: "
-                         "pip install 'memexp[lora]'")
+        raise ValueError(f"adapter={option} needs peft, which is not installed "
+                         f"{install_hint('lora')}")
     import peft
 
     return peft
@@ -124,9 +245,17 @@ class NoAdapter(Technique):
     cost_rank = 0
     changes_math = None
     quantized = False
+    quantized_by = None
 
-    def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
+    def apply(self, model: nn.Module, device: torch.device,
+              compute_dtype: torch.dtype) -> nn.Module:
         return model
+
+    def kept_apart(self) -> list[torch.Tensor]:
+        return []
+
+    def packed(self) -> int:
+        return 0
 
 
 @dataclass
@@ -134,52 +263,85 @@ class LoRA(Technique):
     """Freeze the weights and train, beside each adapted layer W, a product B·A of rank `r`
     scaled by alpha / r (Hu et al., 2021): W x + (alpha / r) B A dropout(x). B starts at zero,
     so the model starts as it was. `dropout` > 0 keeps a dropped-out copy of every adapted
-    layer's input for backward (peft#1514), beside the input the frozen layer keeps."""
+    layer's input for backward (peft#1514), beside the input the frozen layer keeps.
+    `target_parameters` adapts weights that are no Linear layer's (an MoE's stacked experts:
+    [auto]), each expert's matrix with a B·A of its own."""
 
     r: int = 8
     alpha: float = 16
     dropout: float = 0.0
     target_modules: list[str] = (AUTO,)
+    target_parameters: list[str] = ()
     planned = ({},)
     cost_rank = 0
     changes_math = ("only low-rank adapters train; the model's own weights stay as they are "
                     "(a low-rank update, not full fine-tuning)")
     quantized = False
+    quantized_by = None
 
     def __post_init__(self) -> None:
         if self.r < 1:
             raise ValueError(f"adapter.r={self.r}: must be >= 1")
         if not 0 <= self.dropout < 1:
             raise ValueError(f"adapter.dropout={self.dropout}: must be in [0, 1)")
-        if not self.target_modules:
+        if not self.target_modules and not self.target_parameters:
             raise ValueError("adapter.target_modules=[]: name the layers to adapt, or [auto]")
+        if self.target_parameters and self.dropout:
+            raise ValueError(
+                f"adapter.dropout={self.dropout} with adapter.target_parameters: peft adapts a "
+                "parameter by adding B·A to the weight, where no dropout of the layer's input "
+                "can go; set adapter.dropout=0")
 
     def option(self) -> str:
         return "lora"
 
-    def apply(self, model: nn.Module, device: torch.device) -> nn.Module:
+    def apply(self, model: nn.Module, device: torch.device,
+              compute_dtype: torch.dtype) -> nn.Module:
         peft = peft_or_refuse(self.option())
-        targets = resolve_targets(model, self.target_modules)
+        targets = resolve_targets(model, self.target_modules) if self.target_modules else {}
         names = list(targets)
-        targets = self.prepare(model, targets, device)
+        parameters = resolve_parameters(model, self.target_parameters)
+        # the modules that hold the parameters: peft puts its wrapper in their place
+        holders = {name: model.get_submodule(name) for name in
+                   dict.fromkeys(name.rpartition(".")[0] for name in parameters)}
+        skipped = left_out(model, parameters)
+        targets = self.prepare(model, targets, device, compute_dtype)
         config = peft.LoraConfig(r=self.r, lora_alpha=self.alpha, lora_dropout=self.dropout,
-                                 target_modules=names, bias="none")
+                                 target_modules=names, target_parameters=list(parameters),
+                                 bias="none")
         # freezes every weight but the adapters' (peft's _mark_only_adapters_as_trainable)
-        model = peft.inject_adapter_in_model(config, model)
-        self.changed = {name: model.get_submodule(name) for name in names}
-        self.found = Blocks(names, [targets[name] for name in names])
-        leaves = ", ".join(dict.fromkeys(name.rpartition(".")[2] for name in names))
-        log.info("adapter: %s r=%d on %d layers (%s)%s", self.option(), self.r, len(names),
-                 leaves, self.stored())
+        with as_resolved():
+            model = peft.inject_adapter_in_model(config, model)
+        # The adapters train in fp32. peft made each in its base layer's dtype, a 4-bit layer's
+        # compute dtype (bf16 under bf16), and leaves the cast back to fp32 to PeftModel
+        # (autocast_adapter_dtype=True), which inject_adapter_in_model is not.
+        peft.tuners.tuners_utils.cast_adapter_dtype(model, "default")
+        # By the model's names: the deferred head's adapter runs in the loss, and its wrapper
+        # (which the model's forward calls) stands for it in the first forward's check.
+        shown = [model_name(model, name) for name in names]
+        self.changed = {name: model.get_submodule(name) for name in [*shown, *holders]}
+        self.found = Blocks([*shown, *holders], [*(targets[name] for name in names),
+                                                 *holders.values()])
+        leaves = ", ".join(dict.fromkeys(name.rpartition(".")[2] for name in shown))
+        weights = ", ".join(dict.fromkeys(".".join(name.split(".")[-2:]) for name in parameters))
+        log.info("adapter: %s r=%d on %d layers (%s)%s%s%s", self.option(), self.r, len(names),
+                 leaves or "none", f" and {len(parameters)} weights ({weights})" * bool(parameters),
+                 self.stored(), skipped)
         return model
 
-    def prepare(self, model: nn.Module, targets: dict[str, nn.Module],
-                device: torch.device) -> dict[str, nn.Module]:
+    def prepare(self, model: nn.Module, targets: dict[str, nn.Module], device: torch.device,
+                compute_dtype: torch.dtype) -> dict[str, nn.Module]:
         """The layers as peft is to adapt them (QLoRA quantises them first)."""
         return targets
 
     def stored(self) -> str:
         return ""
+
+    def kept_apart(self) -> list[torch.Tensor]:
+        return []
+
+    def packed(self) -> int:
+        return 0
 
 
 @dataclass
@@ -214,24 +376,50 @@ class QLoRA(LoRA):
             name = ("bitsandbytes" if device.type == "cuda"
                     and importlib.util.find_spec("bitsandbytes") is not None else "torchao")
         if importlib.util.find_spec(name) is None:
+            extra = "qlora-cuda" if name == "bitsandbytes" else "lora"
             raise ValueError(f"adapter=qlora adapter.backend={name}: {name} is not installed "
-                             f"(pip install {name}); adapter.backend={AUTO} picks what runs")
+                             f"{install_hint(extra)}; adapter.backend={AUTO} picks what runs")
         return name
 
-    def prepare(self, model: nn.Module, targets: dict[str, nn.Module],
-                device: torch.device) -> dict[str, nn.Module]:
-        self._backend = self.backend_for(device)
-        quantize = quantize_bitsandbytes if self._backend == "bitsandbytes" else quantize_torchao
+    def prepare(self, model: nn.Module, targets: dict[str, nn.Module], device: torch.device,
+                compute_dtype: torch.dtype) -> dict[str, nn.Module]:
+        self.quantized_by = self.backend_for(device)
+        bitsandbytes = self.quantized_by == "bitsandbytes"
         prepared = {}
         for name, module in targets.items():
             linear = as_linear(module)
-            prepared[name] = quantize(name, linear)
+            prepared[name] = (quantize_bitsandbytes(name, linear, device, compute_dtype)
+                              if bitsandbytes else quantize_torchao(name, linear))
             if prepared[name] is not module:
                 replace_module(model, name, prepared[name])
+        self._quantized = list(prepared.values())
         return prepared
 
     def stored(self) -> str:
-        return f", base weights in NF4 by {self._backend}"
+        return f", base weights in NF4 by {self.quantized_by}"
+
+    def kept_apart(self) -> list[torch.Tensor]:
+        """bitsandbytes keeps a 4-bit weight's scales in its layer's QuantState, beside the
+        parameter (which holds the 4-bit codes): each block's absmax (8 bits, double
+        quantised), their offset, their own absmax and code, and NF4's code table. torchao's
+        NF4Tensor holds its scales inside, where the meter finds them."""
+        if self.quantized_by != "bitsandbytes":
+            return []
+        kept = []
+        for layer in self._quantized:
+            state = layer.quant_state
+            kept += [state.absmax, state.code]
+            if state.nested:
+                kept += [state.offset, state.state2.absmax, state.state2.code]
+        return kept
+
+    def packed(self) -> int:
+        """bitsandbytes' codes are a (weights / 2, 1) parameter of bytes; torchao's NF4Tensor
+        has its weight's shape."""
+        if self.quantized_by != "bitsandbytes":
+            return 0
+        return sum(layer.in_features * layer.out_features - layer.weight.numel()
+                   for layer in self._quantized)
 
 
 def as_linear(module: nn.Module) -> nn.Linear:
@@ -265,16 +453,41 @@ def quantize_torchao(name: str, linear: nn.Linear) -> nn.Linear:
     return linear
 
 
-def quantize_bitsandbytes(name: str, linear: nn.Linear) -> nn.Module:
-    """bitsandbytes' Linear4bit in the layer's place; its weight is quantised as the model
-    moves onto the device."""
+def quantize_bitsandbytes(name: str, linear: nn.Linear, device: torch.device,
+                          compute_dtype: torch.dtype) -> nn.Module:
+    """bitsandbytes' Linear4bit in the layer's place, computing in the precision's
+    `compute_dtype`; its weight is quantised as the model moves onto the device, from the
+    weight in that dtype, as from a base model loaded in it (its QuantState then dequantises
+    to it). Built with the weight's own dtype (fp32 here, before precision casts anything), a
+    layer under bf16 autocast cast its bf16 input to fp32, multiplied in fp32 and dequantised
+    its weight to fp32 in backward."""
     import bitsandbytes as bnb
+    from torch._subclasses.fake_tensor import FakeTensor
 
-    weight = linear.weight.detach()
-    quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features,
-                                  bias=linear.bias is not None, compute_dtype=weight.dtype,
-                                  quant_type="nf4", device="meta")
-    quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4")
+    weight = linear.weight.detach().to(compute_dtype)
+    # on the meta device and outside any dispatch mode: plain tensors that hold nothing
+    with torch._C._DisableTorchDispatch():
+        quantized = bnb.nn.Linear4bit(linear.in_features, linear.out_features,
+                                      bias=linear.bias is not None, compute_dtype=compute_dtype,
+                                      quant_type="nf4", device="meta")
+    if not isinstance(weight, FakeTensor):
+        quantized.weight = bnb.nn.Params4bit(weight, requires_grad=False, quant_type="nf4",
+                                             module=quantized)
+    else:
+        # An estimate's trace (memexp.estimate): torch makes a Parameter subclass such as
+        # Params4bit only of a plain tensor, never of a FakeTensor. The weight is quantised on
+        # the device at once, by bitsandbytes' own quantize_4bit with Params4bit's settings,
+        # into a plain frozen parameter that carries its QuantState as Params4bit does:
+        # Linear4bit's forward and backward then run bitsandbytes' own ops on it. A fake
+        # parameter is swapped for a new one wherever the model is moved or cast
+        # (Module._apply), which leaves its attributes behind: each forward gives it the
+        # state again.
+        codes, state = bnb.functional.quantize_4bit(
+            weight.to(device), blocksize=NF4_BLOCK, compress_statistics=True, quant_type="nf4")
+        quantized.weight = nn.Parameter(codes, requires_grad=False)
+        quantized.quant_state = state
+        quantized.register_forward_pre_hook(
+            lambda module, _: setattr(module.weight, "quant_state", module.quant_state))
     if linear.bias is not None:
         quantized.bias = linear.bias
     return quantized
