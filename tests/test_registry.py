@@ -27,12 +27,13 @@ def test_the_lists_of_groups_and_options_are_read_from_the_classes():
     assert BASELINE_GROUPS == ("precision", "checkpointing", "bn_mode", "adapter", "compile")
     assert {group: registry.planned(group) for group in ("precision", "checkpointing",
                                                          "bn_mode", "adapter")} == {
-        "precision": ["fp32", "amp", "bf16", "bf16_pure"],
-        "checkpointing": ["none", "full", "offload", "selective_ops"],
+        "precision": ["fp32", "amp", "bf16", "bf16_pure", "float8"],
+        "checkpointing": ["none", "full", "full_offload", "offload", "selective_ops"],
         "bn_mode": ["train", "efficient_eval"],
         "adapter": ["none", "lora", "qlora"]}
     assert [name for lighter in Adam.lighter
-            for name in registry.options_of("optim", lighter)] == ["adafactor", "adamw_8bit"]
+            for name in registry.options_of("optim", lighter)] == [
+                "adafactor", "adamw_8bit", "adamw_4bit", "adamw_fp8", "muon"]
 
 
 @pytest.fixture

@@ -193,11 +193,11 @@ class Trainer:
             call_model, batch=sample, passes_labels=self.loss.passes_labels))
         # 2. The adapter (LoRA) while the layers are the model's own, before checkpointing and
         #    parallel wrap them, and on the host: QLoRA's base weights reach the device already
-        #    in 4 bits (bitsandbytes quantises them as they move). Its adapters are then cast,
-        #    wrapped and sharded with the rest.
-        model = self.adapter.apply(model, self.device)
-        # 3. Onto the device; precision casts parameters (pure half) before anything keeps a
-        #    reference to them, and learns the device type for autocast.
+        #    in 4 bits (bitsandbytes quantises them as they move), to compute in the precision's
+        #    dtype. Its adapters are then cast, wrapped and sharded with the rest.
+        model = self.adapter.apply(model, self.device, self.precision.compute_dtype)
+        # 3. Onto the device; precision casts parameters (pure half; autocast the frozen ones)
+        #    before anything keeps a reference to them, and learns the device type for autocast.
         model = self.precision.apply(model.to(self.device))
         # 4. Checkpointing wraps blocks, which parallel wrappers then treat as units.
         model = self.checkpointing.apply(model)
@@ -209,6 +209,9 @@ class Trainer:
         # 6. Parallel wrappers (DDP, FSDP) go outermost; FSDP gathers parameters in the
         #    precision's compute dtype.
         self.model = self.parallel.apply(model, self.precision.autocast_dtype)
+        # The optimizer reads what it needs from the model as it will train (optim=muon: which
+        # weights it steps, found in the blocks), before the blocks are recorded below.
+        self.model = self.optim.apply(self.model)
         # Read at every step's end (their gradients) and the run's (their values): the same
         # objects throughout (FSDP's are the shards).
         self.parameters = list(self.model.parameters())
@@ -232,12 +235,13 @@ class Trainer:
             warmup_steps=cfg.trainer.warmup_steps, allocator=allocator,
             measure_steps=cfg.memory.measure_steps, compiled=self.compile.compiles)
         with self.parallel.offloaded():
-            self.meter.watch(self.parallel.watched(self.model))
+            self.meter.watch(self.parallel.watched(self.model), self.adapter.kept_apart())
         # 8. The optimizer last, over the parameters as they now are (or their master copies);
         #    zero1 shards its state across ranks.
         self.optimizer = self.parallel.optimizer(self.optim,
                                                  self.precision.parameters(self.model))
-        self.meter.watch_optimizer(self.optimizer)
+        with self.optim.offloaded():  # optim.offload=cpu: its host tensors
+            self.meter.watch_optimizer(self.optimizer)
         self.empty_cache_at = cfg.memory.empty_cache  # a str enum: "never", "step" or "eval"
         self.metrics = Metrics()
         # The first step checks what every later one takes for granted (its loss and outputs).
@@ -252,7 +256,8 @@ class Trainer:
     def _changing(self) -> list[tuple[str, object]]:
         """The options that may resolve blocks and change modules, by group."""
         return [("bn_mode", self.bn_mode), ("adapter", self.adapter),
-                ("checkpointing", self.checkpointing), ("parallel", self.parallel)]
+                ("checkpointing", self.checkpointing), ("parallel", self.parallel),
+                ("optim", self.optim)]
 
     def to_device(self, batch: Batch) -> Batch:
         batch = map_batch(batch, lambda t: t.to(self.device, non_blocking=True))
@@ -326,9 +331,10 @@ class Trainer:
         the same decisions about a non-finite step. The first step checks that the loss gave a
         parameter a gradient."""
         grads = [self.parallel.local(p.grad) for p in self.parameters if p.grad is not None]
-        # optim.in_backward stepped each parameter, and checked its gradient, inside backward;
-        # a GradScaler checks them itself.
-        in_backward = self.optim.in_backward
+        # optim.in_backward stepped each parameter, and checked its gradient, inside backward
+        # (optim.offload_gradients checked each before it left the device); a GradScaler
+        # checks them itself.
+        in_backward = self.optim.grads_leave_in_backward
         if self.first_step:
             check_reached(bool(grads) or in_backward and self.optimizer.reached, self.loss.key,
                           self.trainable)

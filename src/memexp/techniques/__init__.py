@@ -69,6 +69,9 @@ class Technique:
     # whether memexp estimate can trace it (plan searches only what it can estimate, and lists
     # the rest as not searched)
     estimable: ClassVar[bool] = True
+    # why memexp plan cannot take its estimate from copies of the model with fewer blocks
+    # (memexp.depth), which then traces it whole; None where it can
+    shallow_differs: ClassVar[str | None] = None
 
 
 def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile, adapter,
@@ -105,9 +108,12 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
             "torchrun, trainer.nproc or hydra.launcher.tasks_per_node), or bn_mode=train."
         )
     if precision.needs_cuda and device.type != "cuda":
+        name = "|".join(registry.options_of("precision", type(precision)))
+        why = registry.stated(type(precision), "cuda_reason",
+                              "TF32 is a tensor-core mode of NVIDIA GPUs")
         raise ValueError(
-            f"precision=tf32 needs a CUDA device (TF32 is a tensor-core mode of NVIDIA GPUs); "
-            f"this run is on {device}. On CPU use precision=fp32, amp or bf16."
+            f"precision={name} needs a CUDA device ({why}); this run is on {device}. On CPU use "
+            "precision=fp32, amp or bf16."
         )
     if adapter.quantized and parallel.shards_parameters:
         raise ValueError(
@@ -116,20 +122,46 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
             "among the ranks (torchao: 'quantization_factor.numel() not divisible by 2' on a "
             "small Llama). Use parallel=ddp or zero1 (the 4-bit base weights are small), or "
             "adapter=lora.")
-    if parallel.shards_parameters and not optim.steps_shards:
+    if parallel.shards_parameters and optim.shards_refused:
         name = "|".join(registry.options_of("optim", type(optim)))
         raise ValueError(
-            f"optim={name} with parallel=fsdp: torch's {type(optim).__name__} squares each "
-            "parameter's norm in place, and FSDP2 holds parameters as sharded DTensors, whose "
-            "norm is a partial sum over the ranks (torch: 'aten.pow_.Scalar: in-place operations "
-            "that require placement changes are not supported'). Use parallel=ddp or zero1 with "
-            "it, or optim=adamw, adam or sgd with fsdp.")
+            f"optim={name} with parallel=fsdp: {optim.shards_refused} Use parallel=ddp or zero1 "
+            "with it, or optim=adamw, adam or sgd with fsdp.")
+    check_offload(optim, precision, parallel, device)
     check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:
         raise ValueError(
             "trainer.checkpoint_every with a parallel option: checkpoints of sharded and "
             "replicated runs are not supported yet. Use trainer.checkpoint_every=0, or "
             "parallel=none.")
+
+
+def check_offload(optim, precision, parallel, device: torch.device) -> None:
+    """optim.offload=cpu's rules: a step on the host, from gradients copied there one at a time
+    as backward completes them, of one process's parameters."""
+    if optim.offload != "cpu":
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"optim.offload=cpu on {device}: it moves the optimizer's state (and, with "
+            "optim.offload_gradients, the gradients) from the GPU's memory to the host's, and a "
+            "CPU run's device is the host: one memory, so nothing would move, and a split "
+            "between them would be pretended (torchao's CPUOffloadOptimizer runs on CUDA only). "
+            "Estimate it for a GPU: memexp estimate <overrides> optim.offload=cpu --target cuda "
+            "(traced on the CUDA build's fake device: `make cuda-estimator`), or measure it on "
+            "one")
+    if precision.needs_all_grads:
+        raise ValueError(
+            "optim.offload=cpu copies each gradient to the host as backward completes it and "
+            "steps there; the chosen precision needs every gradient at once on the device first "
+            "(float16 loss scaling in precision=amp, or precision.master_weights=true). Use "
+            "precision=fp32, bf16 or bf16_pure, or optim.offload=none.")
+    if parallel.distributed:
+        raise ValueError(
+            "optim.offload=cpu steps one process's parameters on its host (torchao's "
+            "CPUOffloadOptimizer, for single-GPU training); parallel=ddp|zero1|fsdp reduce or "
+            "shard the gradients across ranks. Use parallel=none with it, or parallel=fsdp "
+            "parallel.cpu_offload=true (FSDP's own host step).")
 
 
 def check_compile(compile, checkpointing, parallel) -> None:
@@ -160,8 +192,10 @@ def check_compile(compile, checkpointing, parallel) -> None:
 
 def check_loss_combination(loss, parallel) -> None:
     """check_combination's rules on the loss, which is built after the model (it may take over
-    the model's head: memexp.loss.as_loss), before the parallel option wraps the model."""
-    if loss.applies_params and parallel.shards_parameters:
+    the model's head: memexp.loss.as_loss), before the parallel option wraps the model. `loss`
+    and `parallel` may be the options or their classes (which state what the rules read); a
+    user's loss (None: a class not imported) states nothing."""
+    if registry.stated(loss, "applies_params", False) and parallel.shards_parameters:
         raise ValueError(
             f"{loss.key} applies the model's output head itself, outside the model's forward, "
             "and parallel=fsdp holds the head's weight as this rank's shard there (gathered "
@@ -177,6 +211,8 @@ def check_estimable(parallel_class: type, world_size: int, loss_target=None) -> 
     if world_size > 1 and not parallel_class.distributed:
         raise ValueError(f"--world-size {world_size} with parallel=none: every rank would train "
                          "its own copy. Choose parallel=ddp, zero1 or fsdp")
+    # what train.py refuses, for its reason, before what the trace cannot do
+    check_loss_combination(loss_target, parallel_class)
     if world_size > 1 and registry.stated(loss_target, "applies_params", False):
         raise ValueError(
             f"{loss_target.key} --world-size {world_size}: the rank's trace builds DDP with "

@@ -200,6 +200,8 @@ class ZeRO1(DDP):
     parameters and broadcasts them to the others."""
 
     cost_rank = 2  # DDP's all-reduce, and a broadcast of the parameters after the step
+    shallow_differs = ("it gives each rank whole parameters, largest first, so which rank holds "
+                       "the most state, and how much, is not the same at every depth")
 
     def optimizer(self, optim, params: Iterable[Tensor]) -> torch.optim.Optimizer:
         from torch.distributed.optim import ZeroRedundancyOptimizer
