@@ -1,14 +1,21 @@
-"""Run README.md's shell code blocks, as pasted, from a fresh clone; report each exit status.
+"""Run the shell code blocks of README.md and docs/llm.md, as pasted, from a fresh clone; report
+each exit status.
 
-    python3 scripts/check_readme.py [--clone DIR] [--timeout S]     (make check-readme)
+    python3 scripts/check_readme.py [--clone DIR] [--timeout S] [--page PAGE ...]
+                                                                    (make check-readme)
 
 Without --clone it clones this checkout's HEAD (`git clone <repo> <tmp>/fresh`), so what is
-checked is what is committed. The code blocks are read in order: every command of a ```bash
-block (a line, with its `\\` continuations; comments dropped), and every `$ ` line of the
-other blocks (the transcripts), runs in the clone through
-`bash -c 'source .venv/bin/activate; <command>'`. A transcript command whose quoted output
-starts with an error (`memexp: ...`) must fail, every other command must succeed. The first
-block's `make run` makes .venv.
+checked is what is committed. The pages (README.md, then docs/llm.md; `--page` names others)
+are read in order, and in each its code blocks: every command of a ```bash block (a line, with
+its `\\` continuations; comments dropped), and every `$ ` line of the other blocks (the
+transcripts), runs in the clone through `bash -c 'source .venv/bin/activate; <command>'`. A
+transcript command whose quoted output starts with an error (`memexp: ...`) must fail, every
+other command must succeed. The README's first block's `make run` makes .venv.
+
+`--target cuda` traces in a venv with a CUDA build of torch: the clone has none (`make
+cuda-estimator` downloads 6.3 GB), so its commands get this checkout's `.venv-cuda`, or
+MEMEXP_CUDA_PYTHON's, through MEMEXP_CUDA_PYTHON (the trace imports the clone's memexp, not
+that venv's); they are skipped where there is none.
 
 What is changed in a command, and nothing else:
 - `python train.py` and `memexp plan ... --verify` get short runs: `trainer.max_steps=N` set to
@@ -40,8 +47,7 @@ SKIPS = [
                              "registry)"),
     ("make slurm-", "starts or stops SLURM daemons (root, the package registry)"),
     ("sinfo", "needs a SLURM cluster"),
-    ("--target cuda", "needs .venv-cuda (make cuda-estimator downloads a CUDA torch, ~5.5 GB)"),
-    ("make cuda-estimator", "downloads a CUDA build of torch (~5.5 GB)"),
+    ("make cuda-estimator", "downloads a CUDA build of torch (.venv-cuda: 6.3 GB)"),
     ("data.batch_size=auto", "needs a GPU (on CPU it needs memory.budget, as the README says)"),
     ("data=cifar10", "needs the CIFAR-10 files in ~/datasets (nothing is downloaded)"),
     ("model.pretrained=", "needs your own weights at that path"),
@@ -90,7 +96,24 @@ def resolved(command: str, clone: Path) -> str:
     return command
 
 
+# Pages whose commands are run, in order, in one clone: the README's make the venv.
+PAGES = ("README.md", "docs/llm.md")
+
+
+def cuda_python() -> str | None:
+    """A python with a CUDA build of torch for `--target cuda`: MEMEXP_CUDA_PYTHON, else this
+    checkout's .venv-cuda, else None."""
+    named = os.environ.get("MEMEXP_CUDA_PYTHON")
+    if named:
+        return None if named == "none" else named
+    python = REPO / ".venv-cuda" / "bin" / "python"
+    return str(python) if python.is_file() else None
+
+
 def skip_reason(command: str) -> str | None:
+    if "--target cuda" in command and cuda_python() is None:
+        return ("needs a CUDA build of torch: make cuda-estimator (.venv-cuda, 6.3 GB), or "
+                "MEMEXP_CUDA_PYTHON")
     return next((why for what, why in SKIPS if what in command), None)
 
 
@@ -98,9 +121,11 @@ def run(command: str, clone: Path, timeout: float) -> tuple[int | str, str]:
     """(exit status, or "timeout"; stdout and stderr) of `command` in the clone's venv. A command
     past its timeout is killed with everything it started (`make run`'s sweep and its servers):
     left running, it would share the machine with the commands after it."""
+    cuda = cuda_python()
+    environment = {**os.environ, **({"MEMEXP_CUDA_PYTHON": cuda} if cuda else {})}
     process = subprocess.Popen(["bash", "-c", f"source .venv/bin/activate 2>/dev/null; {command}"],
                                cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                               text=True, start_new_session=True)
+                               text=True, start_new_session=True, env=environment)
     try:
         output, _ = process.communicate(timeout=timeout)
         return process.returncode, output
@@ -114,6 +139,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--clone", type=Path, help="a clone to run in (default: a fresh one)")
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per command")
+    parser.add_argument("--page", action="append", help="a page to run (default: "
+                        f"{', '.join(PAGES)}); repeat for several, in order")
     args = parser.parse_args()
     clone = args.clone
     if clone is None:
@@ -121,16 +148,25 @@ def main() -> int:
         subprocess.run(["git", "clone", "-q", str(REPO), str(clone)], check=True)
     commit = subprocess.check_output(["git", "-C", str(clone), "rev-parse", "--short", "HEAD"],
                                      text=True).strip()
-    print(f"check_readme: README.md of {clone} (commit {commit})", flush=True)
     failed = 0
-    for command, must_fail in commands((clone / "README.md").read_text()):
+    for page in args.page or PAGES:
+        print(f"check_readme: {page} of {clone} (commit {commit})", flush=True)
+        failed += check(clone / page, clone, args.timeout)
+    print(f"check_readme: {failed} command(s) did not do what the pages show", flush=True)
+    return 1 if failed else 0
+
+
+def check(page: Path, clone: Path, timeout: float) -> int:
+    """Run `page`'s commands in `clone`; how many did not do what it shows."""
+    failed = 0
+    for command, must_fail in commands(page.read_text()):
         why = skip_reason(command)
         if why:
             print(f"skip     {command}\n         ({why})", flush=True)
             continue
         ran = resolved(shortened(command), clone)
         started = time.monotonic()
-        status, output = run(ran, clone, args.timeout)
+        status, output = run(ran, clone, timeout)
         seconds = time.monotonic() - started
         wrong = status == 0 if must_fail else status != 0
         expected = " (must fail)" if must_fail else ""
@@ -140,8 +176,7 @@ def main() -> int:
             failed += 1
             tail = output.strip().splitlines()[-8:]
             print("\n".join(f"         | {line}" for line in tail), flush=True)
-    print(f"check_readme: {failed} command(s) did not do what the README shows", flush=True)
-    return 1 if failed else 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -6,14 +6,19 @@ Each generated part sits between `<!-- figures:NAME -->` and `<!-- /figures:NAME
 README.md or a page of docs/ (wherever the markers are, each in one place); everything between
 them is replaced. The parts:
 
-- quick, quick-prose, quick-time: `python train.py -m experiment=quick` (what `make run` runs):
-  the table it prints at the end, the ratios the prose quotes, and how long it took here
-  (README.md, "The first result");
+- quick, quick-prose, quick-time, quick-threads: `python train.py -m experiment=quick` (what
+  `make run` runs): the table it prints at the end, the ratios and accuracies the prose quotes,
+  how long it took here (README.md, "The first result"), and its base alone with 1 thread
+  (docs/measuring-time.md); quick-busy-time, quick-busy-ratios: the same sweep beside two busy
+  processes, and its paired ratios over the idle run's (quick_busy, after quick);
 - run: `python train.py`, the summary it prints (README.md); default-accuracy: its accuracy
   (docs/models-and-data.md);
-- bad-input: the mistakes of docs/errors.md, and what each prints.
+- bad-input: the mistakes of docs/errors.md, and what each prints;
+- llm-*: every transcript of docs/llm.md, rerun (llm; the CUDA estimates trace in .venv-cuda,
+  `make cuda-estimator`: about an hour on 2 busy cores, most of it the 8B's CUDA traces).
 
-PART is a function below (bad_input, single_run, quick): only those are rerun and rewritten.
+PART is a function below (bad_input, single_run, quick, quick_busy, llm): only those are rerun
+and rewritten.
 
 The commands run in outputs/readme-figures/ (kept: its plots and reports can be read); their
 folders are written in the pages as the default ones (`outputs/...`), the only change made to
@@ -24,6 +29,7 @@ checks the README's memory figures exactly and its accuracy to 3 decimals.
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shlex
@@ -61,10 +67,11 @@ BAD_INPUT = [
 ]
 
 
-def run(arguments: list[str], cwd: Path, check: bool = True) -> subprocess.CompletedProcess:
+def run(arguments: list[str], cwd: Path, check: bool = True,
+        threads: int = 2) -> subprocess.CompletedProcess:
     # 2 intra-op threads wherever it runs: the figures of another count differ (the sums run
     # in another order); tests/test_readme.py reruns with the same.
-    environment = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "2"}
+    environment = {**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": str(threads)}
     environment.pop("WANDB_MODE", None)
     done = subprocess.run([*TRAIN, *arguments], cwd=cwd, capture_output=True, text=True,
                           env=environment)
@@ -74,10 +81,13 @@ def run(arguments: list[str], cwd: Path, check: bool = True) -> subprocess.Compl
     return done
 
 
+QUICK = ["-m", "experiment=quick"]
+
+
 def quick(work: Path) -> dict[str, str]:
     sweep_dir = work / "quick"
     started = time.monotonic()
-    done = run(["-m", "experiment=quick", f"hydra.sweep.dir={sweep_dir}"], cwd=work)
+    done = run([*QUICK, f"hydra.sweep.dir={sweep_dir}"], cwd=work)
     minutes = (time.monotonic() - started) / 60
     lines = [LOG_PREFIX.sub("", line) for line in (done.stdout + done.stderr).splitlines()]
     first = next(i for i, line in enumerate(lines) if line.startswith("| job |"))
@@ -87,36 +97,91 @@ def quick(work: Path) -> dict[str, str]:
             if re.match(r"\[\d+/\d+\] job #", line) and ": running, " not in line]
     block = "\n".join([*jobs, "...", *lines[first:last + 1]])
     block = block.replace(str(sweep_dir), "outputs/sweeps/<time>")
-    with open(sweep_dir / "report.csv") as f:
-        rows = {row["config"]: row for row in csv.DictReader(f)}
-    base, full = rows["checkpointing=none optim=sgd"], rows["checkpointing=full optim=sgd"]
-    offload = rows["checkpointing=offload optim=sgd"]
-    same_loss = base["final_loss"] == full["final_loss"] == offload["final_loss"]
-
-    def ratio(row: dict, key: str) -> str:
-        # a time ratio keeps the table's mark where it cannot be trusted (report.csv's doubt)
-        doubt = key == "step_time_x_base" and row["step_time_doubt"]
-        return (f"{float(row[key]):.2f}x{UNCERTAIN if doubt else ''}" if row[key]
-                else "no ratio")
-
-    kept = "exactly where it was" if same_loss else "changed"
-    paired = full["step_time_x_base_paired"] == offload["step_time_x_base_paired"] == "True"
-    timed = ("each timed beside the baseline in its job's process, untracked; the brackets "
-             "give the spread" if paired else "the medians of separate runs, untracked")
-    if full["step_time_doubt"] or offload["step_time_doubt"]:
-        timed += f"; {UNCERTAIN} marks a ratio the table says why not to trust"
-    prose = (f"Checkpointing and offload leave the loss {kept} "
-             f"(same math) and cut the peak to {ratio(full, 'memory_x_base')} and "
-             f"{ratio(offload, 'memory_x_base')}, for {ratio(full, 'step_time_x_base')} and "
-             f"{ratio(offload, 'step_time_x_base')} the step time ({timed})")
     load = os.getloadavg()[0]
-    return {"quick": f"```\n{block}\n```",
-            "quick-prose": prose,
+    # the sweep's base at seed 0 alone, with 1 thread: the same memory, another accuracy
+    run(["experiment=quick", f"hydra.run.dir={work / 'quick-1-thread'}"], cwd=work, threads=1)
+    alone = json.loads((work / "quick-1-thread" / "result.json").read_text())
+    with open(sweep_dir / "report.csv") as f:
+        base = next(row for row in csv.DictReader(f) if row["job"] == "0")
+    threads = (f"{float(base['eval_accuracy']):.3f} eval accuracy with 2 threads and at "
+               f"{alone['metrics']['eval_accuracy']:.3f} with 1")
+    return {"quick": f"```\n{block}\n```", "quick-prose": quick_prose(sweep_dir),
+            "quick-threads": threads,
             # the kernels torch picked for this CPU: tests/test_readme.py checks the accuracy only
             # where they are the same (another instruction set sums in another order)
-            "quick-time": f"{len(rows)} jobs, {minutes:.1f} minutes here (2 cores, "
-                          f"{torch.backends.cpu.get_cpu_capability()} kernels, 2 threads, "
-                          f"load average {load:.0f} at the end)"}
+            "quick-time": f"{block.count(': started')} jobs, {minutes:.1f} minutes here "
+                          f"(2 cores, {torch.backends.cpu.get_cpu_capability()} kernels, "
+                          f"2 threads, load average {load:.0f} at the end)"}
+
+
+def quick_prose(sweep_dir: Path) -> str:
+    """What the README's "In short" says of the quick sweep, from its report.csv, and the
+    report's own verdict on efficient eval's accuracy (its line under the table)."""
+    with open(sweep_dir / "report.csv") as f:
+        rows = {row["config"]: row for row in csv.DictReader(f)}
+
+    def row(checkpointing: str, bn_mode: str, seed: int) -> dict:
+        return rows[f"bn_mode={bn_mode} checkpointing={checkpointing} trainer.seed={seed}"]
+
+    def ratio(found: dict, key: str) -> str:
+        # a time ratio keeps the table's mark where it cannot be trusted (report.csv's doubt)
+        doubt = key == "step_time_x_base" and found["step_time_doubt"]
+        return f"{float(found[key]):.2f}x{UNCERTAIN if doubt else ''}"
+
+    def both(checkpointing: str, bn_mode: str, key: str) -> str:
+        return " and ".join(ratio(row(checkpointing, bn_mode, seed), key) for seed in (0, 1))
+
+    def accuracy(checkpointing: str, bn_mode: str) -> str:
+        return " and ".join(f"{float(row(checkpointing, bn_mode, seed)['eval_accuracy']):.3f}"
+                            for seed in (0, 1))
+
+    same = all(row("full", "train", seed)[key] == row("none", "train", seed)[key]
+               for seed in (0, 1) for key in ("final_loss", "eval_accuracy"))
+    # the report's own reading of the two seeds (its line under the table)
+    told = re.search(r"^- bn_mode=efficient_eval checkpointing=none: eval acc .* moves by up "
+                     r"to ([\d.]+) between seeds: (larger|not larger)",
+                     (sweep_dir / "report.md").read_text(), re.M)
+    kept = "exactly the base's at both seeds" if same else "changed"
+    return (f"Full checkpointing leaves the loss and the accuracy {kept} (the same math) and "
+            f"cuts the peak to {ratio(row('full', 'train', 0), 'memory_x_base')}, for "
+            f"{both('full', 'train', 'step_time_x_base')} the step time; "
+            f"`bn_mode=efficient_eval` cuts it to "
+            f"{ratio(row('none', 'efficient_eval', 0), 'memory_x_base')}, at "
+            f"{both('none', 'efficient_eval', 'step_time_x_base')} the step time, but learns "
+            f"another model: eval accuracy {accuracy('none', 'efficient_eval')} at the two "
+            f"seeds, against the base's {accuracy('none', 'train')}, a difference "
+            f"{'larger' if told.group(2) == 'larger' else 'no larger'} than the "
+            f"{told.group(1)} by which one config's accuracy moves between the seeds; both "
+            f"together cut the peak to {ratio(row('full', 'efficient_eval', 0), 'memory_x_base')}")
+
+
+def quick_busy(work: Path) -> dict[str, str]:
+    """`make run`'s sweep beside two busy processes: how long it took, and how far its paired
+    ratios are from the idle run's (`quick`, which runs first in the same call)."""
+    idle = work / "quick" / "report.csv"
+    if not idle.is_file():
+        raise SystemExit("readme_figures: quick_busy compares with quick's run: run both "
+                         "(readme_figures.py quick quick_busy)")
+    burners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        started = time.monotonic()
+        run([*QUICK, f"hydra.sweep.dir={work / 'quick-busy'}"], cwd=work)
+        minutes = (time.monotonic() - started) / 60
+    finally:
+        for burner in burners:
+            burner.kill()
+            burner.wait()
+
+    def paired(report: Path) -> dict[str, float]:
+        with open(report) as f:
+            return {row["config"]: float(row["step_time_x_base"]) for row in csv.DictReader(f)
+                    if row["step_time_x_base_paired"] == "True"}
+
+    calm, busy = paired(idle), paired(work / "quick-busy" / "report.csv")
+    apart = [busy[config] / calm[config] for config in calm]
+    return {"quick-busy-time": f"{minutes:.1f} minutes beside two busy processes",
+            "quick-busy-ratios": f"{min(apart):.2f}x to {max(apart):.2f}x (its {len(apart)} "
+                                 f"paired ratios, each over the same job's idle one)"}
 
 
 def single_run(work: Path) -> dict[str, str]:
@@ -158,6 +223,44 @@ def bad_input(work: Path) -> dict[str, str]:
     return {"bad-input": "```\n" + "\n".join(lines) + "\n```"}
 
 
+def llm(work: Path) -> dict[str, str]:
+    """Every transcript of docs/llm.md (a `<!-- figures:llm-... -->` block: the command on its
+    `$ ` line), rerun and written with what it printed. An estimate's step-time breakdown by
+    phase is left out (`...`: the total and its terms are kept), and of a sweep its table and
+    the lines under it; the rest is as printed."""
+    page = (REPO / "docs" / "llm.md").read_text()
+    figures = {}
+    for name, block in re.findall(r"<!-- figures:(llm-[\w-]+) -->(.*?)<!-- /figures:\1 -->",
+                                  page, re.S):
+        command = re.search(r"^\$ (.+)$", block, re.M).group(1)
+        print(f"readme_figures: {name}: {command}", flush=True)
+        figures[name] = "```text\n" + "\n".join([f"$ {command}",
+                                                   *printed(command, work)]) + "\n```"
+    return figures
+
+
+def printed(command: str, work: Path) -> list[str]:
+    """What `command` (memexp ... or python train.py ...) printed, run in `work`, as quoted."""
+    words = shlex.split(command)
+    program = ([str(Path(sys.executable).parent / "memexp")] if words[0] == "memexp"
+               else TRAIN)
+    arguments = words[1:] if words[0] == "memexp" else words[2:]
+    done = subprocess.run([*program, *arguments], cwd=work, capture_output=True, text=True,
+                          env={**os.environ, "HYDRA_FULL_ERROR": "0", "OMP_NUM_THREADS": "2"})
+    if done.returncode != 0:
+        raise SystemExit(f"readme_figures: {command} exited {done.returncode}:\n"
+                         f"{done.stdout[-2000:]}\n{done.stderr[-2000:]}")
+    lines = [LOG_PREFIX.sub("", line) for line in (done.stdout + done.stderr).splitlines()]
+    lines = [re.sub(r"outputs/sweeps/[\d_-]+", "outputs/sweeps/<time>", line) for line in lines]
+    if "-m" in words:  # a sweep: its table and what is under it
+        first = next(i for i, line in enumerate(lines) if line.startswith("| job |"))
+        last = next(i for i, line in enumerate(lines) if line.startswith("Report: "))
+        return ["...", *lines[first:last + 1]]
+    breakdown = next((i for i, line in enumerate(lines) if re.match(r"  phase +host", line)),
+                     None)
+    return lines if breakdown is None else [*lines[:breakdown], "  ..."]
+
+
 def write(pages: dict[Path, str], figures: dict[str, str]) -> dict[Path, str]:
     """`pages` (path: text) with each of `figures` written between its markers."""
     pages = dict(pages)
@@ -176,7 +279,7 @@ def write(pages: dict[Path, str], figures: dict[str, str]) -> dict[Path, str]:
 
 
 def main() -> None:
-    parts = {part.__name__: part for part in (bad_input, single_run, quick)}
+    parts = {part.__name__: part for part in (bad_input, single_run, quick, quick_busy, llm)}
     unknown = set(sys.argv[1:]) - set(parts)
     if unknown:
         raise SystemExit(f"readme_figures: no part {', '.join(sorted(unknown))}; the parts: "

@@ -42,3 +42,19 @@ def test_a_command_past_its_timeout_is_killed_with_what_it_started(tmp_path: Pat
     while stat.exists() and stat.read_text().split()[2] != "Z" and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not stat.exists() or stat.read_text().split()[2] == "Z", "sleep 60 outlived the check"
+
+
+def test_reads_every_transcript_of_the_llm_guide_and_traces_cuda_where_a_cuda_build_is(
+        monkeypatch):
+    """docs/llm.md is checked as the README is: each generated transcript's command runs;
+    `--target cuda` ones in a CUDA build's venv, this checkout's .venv-cuda or
+    MEMEXP_CUDA_PYTHON's, handed to the clone; skipped, saying how to get one, without."""
+    page = (REPO / "docs" / "llm.md").read_text()
+    commands = [command for command, _ in check_readme.commands(page)]
+    assert len(commands) == page.count("<!-- figures:llm-") > 5
+    cuda = next(command for command in commands if "--target cuda" in command)
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "/opt/cuda-venv/bin/python")
+    assert check_readme.skip_reason(cuda) is None
+    monkeypatch.setenv("MEMEXP_CUDA_PYTHON", "none")
+    assert "make cuda-estimator" in check_readme.skip_reason(cuda)
+    assert check_readme.skip_reason(commands[0]) is None  # a CPU estimate always runs

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 from test_report import result, rows_of
 from test_timing import result as timed
 
@@ -97,28 +98,70 @@ def test_the_timeline_and_the_breakdown_give_each_category_one_colour(tmp_path, 
     assert stacked["params_and_optimizer"] == legend["params"]
 
 
-def test_the_plots_show_the_tables_figures_and_keep_its_uncertain_marks(tmp_path):
-    """The throughput chart plots the table's throughput column (not the base's over a paired
-    ratio); a time the table marks `?` keeps the mark and stays off the Pareto front, however
-    good it looks (x0.09 on a busy machine); the accuracy axis starts at 0."""
+def test_the_plots_show_the_tables_figures_with_their_spread_and_keep_its_uncertain_marks(
+        tmp_path):
+    """The throughput chart plots the table's throughput column (the base's over the step
+    time x base), each point with its ratio's spread; a time the table marks `?` keeps the mark
+    and stays off the Pareto front, however good it looks (x0.09, two runs' medians on a busy
+    machine); the accuracy axis starts at 0."""
     rows = rows_of(
         timed(["checkpointing=none"], 1.0, peak=100),
         # its own steps, alone, took 1.5 s; beside its baseline, 1.3x the baseline's
         timed(["checkpointing=full"], 1.5, peak=60, paired=1.3, checkpointing="full"),
-        timed(["checkpointing=offload"], 0.09, peak=50, paired=0.09, busy=True,
-              checkpointing="offload"),
+        timed(["checkpointing=offload"], 0.09, peak=50, busy=True, checkpointing="offload"),
     )
     for row, accuracy in zip(rows, (0.52, 0.51, 0.505), strict=True):
         row.result["metrics"]["eval_accuracy"] = accuracy
     charts = {chart.path.name: chart for chart in write_plots(rows, tmp_path)}
     speed = charts["memory_vs_throughput.png"]
-    assert [y for _, y in speed.points] == [row.metrics["throughput"] for row in rows]
+    table = markdown_table(rows).splitlines()
+    throughputs = [float(line.split(" | ")[14].split()[0].rstrip("?")) for line in table[2:]]
+    assert [round(y, 1) for _, y in speed.points] == throughputs == [64.0, 49.2, 711.1]
+    assert speed.spreads[1] == pytest.approx((64 / 1.32, 64 / 1.28))
     assert speed.labels == ["checkpointing=none", "checkpointing=full",
                             "checkpointing=offload ?"]
     assert speed.front == ["checkpointing=full", "checkpointing=none"]
     # the table marks the same row, in its time ratio and its throughput
-    table = markdown_table(rows).splitlines()
     assert "0.09?" in table[-1] and "711.1? samples/s" in table[-1]
     assert "?" not in table[-2]
     accuracy = charts["memory_vs_accuracy.png"]
     assert accuracy.y_limits[0] == 0 and accuracy.labels[2] == "checkpointing=offload"
+
+
+def test_on_a_busy_machine_ratios_timed_beside_their_baseline_still_make_a_front(tmp_path):
+    """Every job's steps shared the machine: the throughputs, all taken from the base's own
+    busy steps, are marked, but the paired ratios are not, and the front is drawn from them."""
+    rows = rows_of(
+        timed(["checkpointing=none"], 1.0, peak=100, busy=True),
+        timed(["checkpointing=full"], 1.5, peak=60, paired=1.3, busy=True, checkpointing="full"),
+        timed(["checkpointing=offload"], 1.2, peak=50, paired=1.1, busy=True,
+              checkpointing="offload"))
+    assert [row.time_doubt for row in rows] == [None, None, None]
+    speed = {c.path.name: c for c in write_plots(rows, tmp_path)}["memory_vs_throughput.png"]
+    assert speed.front == ["checkpointing=offload ?", "checkpointing=none ?"]
+    assert all("?" in line.split(" | ")[14] for line in markdown_table(rows).splitlines()[2:])
+
+
+def test_repeats_are_one_point_with_their_seeds_range_and_compared_seed_by_seed(tmp_path):
+    """Two seeds of three configs: checkpointing keeps each seed's accuracy (the same math) on
+    less memory, so the baseline is off the front though its seeds' range overlaps; frozen
+    BatchNorm loses accuracy at each seed."""
+    accuracies = {("none", "train"): (0.94, 0.85), ("full", "train"): (0.94, 0.85),
+                  ("none", "eval"): (0.53, 0.34)}
+    records = []
+    for (checkpointing, bn), seeds in accuracies.items():
+        for seed, accuracy in enumerate(seeds):
+            record = timed([f"checkpointing={checkpointing}", f"bn_mode={bn}",
+                            f"trainer.seed={seed}"], 1.0, peak=100 if checkpointing == "none"
+                           and bn == "train" else 60, paired=None if checkpointing == "none"
+                           and bn == "train" else 1.2, checkpointing=checkpointing, bn_mode=bn)
+            record["metrics"]["eval_accuracy"] = accuracy
+            records.append(record)
+    rows = rows_of(*records)
+    assert [row.memory_base.job for row in rows] == ["0", "1", "0", "1", "0", "1"]
+    chart = {c.path.name: c for c in write_plots(rows, tmp_path)}["memory_vs_accuracy.png"]
+    assert chart.labels == ["bn_mode=train\ncheckpointing=none\n(2 seeds)",
+                            "bn_mode=train\ncheckpointing=full\n(2 seeds)",
+                            "bn_mode=eval\ncheckpointing=none\n(2 seeds)"]
+    assert chart.spreads == [(0.85, 0.94), (0.85, 0.94), (0.34, 0.53)]
+    assert chart.front == ["bn_mode=train\ncheckpointing=full\n(2 seeds)"]

@@ -113,11 +113,11 @@ def test_a_four_job_sweep_writes_every_result_and_the_report(four_jobs):
     for name in ("report.md", "report.csv", "memory_breakdown.png", "memory_vs_throughput.png",
                  "memory_vs_accuracy.png"):
         assert (sweep_dir / name).stat().st_size > 0
-    assert "| job | config | status | peak MiB" in done.stderr + done.stdout  # printed at the end
+    assert "| job | config | status | base | peak MiB" in done.stderr + done.stdout  # at the end
 
 
 def test_report_rows_match_the_results(four_jobs):
-    sweep_dir, _ = four_jobs
+    sweep_dir, done = four_jobs
     found = results(sweep_dir)
     with open(sweep_dir / "report.csv") as f:
         rows = {row["job"]: row for row in csv.DictReader(f)}
@@ -144,6 +144,12 @@ def test_report_rows_match_the_results(four_jobs):
         else:
             assert paired["steps"] == [[3, 5]] and row["step_time_x_base_paired"] == "True"
             assert float(row["step_time_x_base"]) == pytest.approx(paired["ratio"])
+        # the line the job printed as it ended gives the table's ratio and base
+        ratio = float(row["step_time_x_base"])
+        assert any(f"job #{job} " in line and f"step time x base {ratio:.2f}" in line
+                   and f"(base: job {row['step_time_base']})" in line
+                   for line in (done.stderr + done.stdout).splitlines()
+                   if ": ok, peak " in line), job
 
 
 def test_jobs_run_one_at_a_time_by_default(four_jobs):
@@ -168,6 +174,13 @@ def test_each_job_is_an_offline_wandb_run_in_the_sweeps_group(four_jobs):
     assert recorded["group"] == sweep_dir.name and recorded["job_type"] == "report"
     table = json.loads(next(report_run.glob("files/media/table/*.table.json")).read_text())
     assert len(table["data"]) == 4 and "peak_mib" in table["columns"]
+    # its summary gives each job the table's ratio, against the table's base
+    with open(sweep_dir / "report.csv") as f:
+        for row in csv.DictReader(f):
+            assert recorded["summary"][f"job/{row['job']}/step_time_x_base"] == pytest.approx(
+                float(row["step_time_x_base"]))
+            assert recorded["summary"][f"job/{row['job']}/step_time_base"] == \
+                row["step_time_base"]
 
 
 def test_report_command_works_on_a_partial_sweep(four_jobs, tmp_path, capsys):
@@ -223,7 +236,8 @@ def test_a_chaos_sweep_records_every_job_truthfully_and_goes_on(chaos_sweep):
     for job, (line, status) in enumerate(zip(ended, statuses, strict=True)):
         peak = found[str(job)]["memory"] and found[str(job)]["memory"]["peak_bytes"]
         assert re.search(rf"\[{job + 1}/6\] job #{job} .*\+model\.mode=\w+: {status}, "
-                         rf"peak {mib(peak)}, (\d+ min )?\d+ s$", line), line
+                         rf"peak {mib(peak)}, (step time x base [\d.]+\?? \(base: job \d\), )?"
+                         rf"(\d+ min )?\d+ s$", line), line
     report = (sweep_dir / "report.md").read_text()
     for job, status in enumerate(statuses):
         assert f"| {job} | +model.mode=" in report and f"| {status} |" in report

@@ -23,8 +23,8 @@ SMOKE = ["debug=fast", "model.width=8", "data.batch_size=16", "trainer.device=cp
 BREAKDOWN = {"params", "grads", "optimizer", "activations", "other"}
 BAD_INPUT = [
     ("precision=bogus", ["memexp: precision=bogus: there is no such option",
-                         "  valid choices for precision: amp, bf16, bf16_pure, fp16_pure, "
-                         "fp32, tf32"]),
+                         "  valid choices for precision: amp, bf16, bf16_pure, float8, "
+                         "fp16_pure, fp32, tf32"]),
     ("trainer.max_steps=abc", ["memexp: trainer.max_steps=abc: Value 'abc' of type 'str' "
                                "could not be converted to Integer"]),
 ]
@@ -105,7 +105,7 @@ def test_help_is_memexps_own_and_lists_only_the_groups_a_user_picks_from(runs):
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("memexp: which memory-saving techniques make a model fit")
     assert "powered by Hydra" not in done.stdout and "schema/" not in done.stdout
-    assert "\nprecision: amp, bf16, bf16_pure, fp16_pure, fp32, tf32\n" in done.stdout
+    assert "\nprecision: amp, bf16, bf16_pure, float8, fp16_pure, fp32, tf32\n" in done.stdout
     assert "  max_steps: 200" in done.stdout  # and the config, every key
 
 

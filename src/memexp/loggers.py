@@ -19,7 +19,7 @@ from urllib.parse import urlparse
 from memexp import checkpoint, distributed, run_folder, trainer
 from memexp.atomic import atomic_file
 from memexp.report import COLUMNS, csv_record
-from memexp.result import RECORD
+from memexp.result import RECORD, finite, record_problem
 
 log = logging.getLogger("memexp")
 WANDB_ID = ".wandb_run_id"  # the run's wandb id, in its run folder, for a rerun to continue
@@ -168,8 +168,18 @@ def job_type(techniques: dict[str, str | None]) -> str:
     return "/".join(str(v) for v in techniques.values())
 
 
+# What the report run's summary holds of each job (report.csv's columns)
+REPORT_SUMMARY = ("base", "memory_x_base", "step_time_base", "step_time_x_base",
+                  "step_time_doubt", "throughput", "eval_accuracy", "eval_accuracy_vs_base")
+
+
 def summary_of(result: dict) -> dict:
-    """The peak breakdown and the headline metrics, flat, for a run's summary."""
+    """The peak breakdown and the headline metrics, flat, for a run's summary; of a record whose
+    figures disagree (memexp.result.record_problem, on the record as it is written), none of
+    them: its status, and why (docs/result-json.md)."""
+    problem = record_problem(finite(result))
+    if problem:
+        return {"status": result.get("status"), "record_problem": problem}
     memory, metrics = result.get("memory") or {}, result.get("metrics") or {}
     flat = {"status": result.get("status"), "peak_bytes": memory.get("peak_bytes"),
             "peak_phase": memory.get("peak_phase")}
@@ -198,6 +208,7 @@ class WandbLogger:
         self.project, self.entity, self.mode = project, entity, mode
         self.init_timeout, self.probe_timeout = init_timeout, probe_timeout
         self._run = None
+        self._record: Path | None = None  # the run's result.json, named where it disagrees
 
     def resolve_mode(self) -> tuple[str, str]:
         """(mode, why) for this process."""
@@ -233,6 +244,7 @@ class WandbLogger:
         if int(os.environ.get("RANK", "0")) != 0:
             return {"wandb": {"mode": "disabled", "why": "only rank 0 logs"}}
         mode, why = self.resolve_mode()
+        self._record = run.run_dir / RECORD
         if mode == "disabled":
             return {"wandb": {"mode": mode, "why": why}}
         extra = {"job_type": job_type(run.techniques),
@@ -261,7 +273,11 @@ class WandbLogger:
 
     def finish(self, result: dict, exit_code: int) -> None:
         if self._run is not None:
-            self._run.summary.update(summary_of(result))
+            summary = summary_of(result)
+            if "record_problem" in summary:
+                log.warning("wandb: %s: %s; its figures are left out of the run's summary",
+                            self._record, summary["record_problem"])
+            self._run.summary.update(summary)
             self._run.finish(exit_code=exit_code)
             self._run = None
 
@@ -275,5 +291,8 @@ class WandbLogger:
             records = [csv_record(row) for row in report.rows]
             table = wandb.Table(columns=COLUMNS, data=[[r[c] for c in COLUMNS] for r in records])
             self._run.log({"comparison": table})
+            # each job's ratios and their base, as the table gives them, to read without it
+            self._run.summary.update({f"job/{r['job']}/{key}": r[key] for r in records
+                                      for key in REPORT_SUMMARY if r[key] is not None})
             self._run.finish()
             self._run = None

@@ -3,13 +3,17 @@
 - `memory_breakdown.png`: each job's memory at its peak, by category. Jobs that ran out of memory,
   failed or were killed are hatched bars with their status where their peak is known; a note
   under the chart names the jobs whose peak is not known.
-- `memory_vs_throughput.png`, `memory_vs_accuracy.png`: one point per successful job, labelled
-  with the overrides that vary across the sweep, and the Pareto front. They plot the report
-  table's figures: its throughput column (where the sweep has one unit; else the speed its
-  step time x base column gives), and its eval accuracy. A point whose time the table marks
-  uncertain (`?`) keeps the mark, is drawn hollow, and stays off the throughput chart's Pareto
-  front. The throughput axis is logarithmic when its values span more than 10x; the accuracy
-  axis starts at 0, so that a small gap looks small.
+- `memory_vs_throughput.png`, `memory_vs_accuracy.png`: one point per config that succeeded,
+  labelled with the overrides that vary across the sweep; a config's repeats (rows that differ
+  only in their seeds, memexp.rows.REPEAT_KEYS) are one point at their mean. They plot the
+  report table's figures: its throughput column (where the sweep has one unit; else the speed
+  its step time x base column gives), and its eval accuracy, each with a bar: the step time x
+  base's range, and the seeds' range. A throughput the table marks uncertain (`?`) keeps the
+  mark and is drawn hollow. The Pareto front is of what is certain (memexp.rows.pareto_front):
+  a config leaves it only where another certainly beats it, seed by seed, across their bars;
+  ratios that may be off whatever their range (two runs' medians on a busy machine) stay off
+  the throughput chart's front. The throughput axis is logarithmic when its values span more
+  than 10x; the accuracy axis starts at 0, so that a small gap looks small.
 
 Every chart has a title and units, and its legend and notes outside the data. Labels are placed
 by `place_labels`, a small deterministic search that keeps them apart.
@@ -17,6 +21,7 @@ by `place_labels`, a small deterministic search that keeps them apart.
 
 from __future__ import annotations
 
+import statistics
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,7 +29,7 @@ from pathlib import Path
 from textwrap import shorten
 
 from memexp.result import DEVICE_CATEGORIES, category_color, error_message
-from memexp.rows import MIB, UNCERTAIN, Row, pareto_front
+from memexp.rows import MIB, UNCERTAIN, Row, pareto_front, repeats, speed_doubt, speed_range
 
 DPI = 110  # the figure's own, and the saved file's: label offsets are in its pixels
 LOG_SPAN = 10  # a value axis whose largest value is more than this times its smallest is log
@@ -43,6 +48,7 @@ class Chart:
     # a scatter's points (x, y) in the order of `labels`, the labels on its Pareto front, and
     # the value axis's limits
     points: list[tuple[float, float]] = field(default_factory=list)
+    spreads: list[tuple[float, float]] = field(default_factory=list)  # each point's bar
     front: list[str] = field(default_factory=list)
     y_limits: tuple[float, float] | None = None
 
@@ -128,15 +134,17 @@ def write_plots(rows: list[Row], sweep_dir: Path) -> list[Chart]:
         charts.append(breakdown_chart(rows, sweep_dir / "memory_breakdown.png"))
     units = {row.metrics.get("throughput_unit") for row in rows if row.ok}
     unit = next(iter(units)) if len(units) == 1 else None
-    def speed(row: Row) -> float | None:  # the table's step time x base, as a speed
-        return 1 / row.step_time_ratio if row.step_time_ratio else None
 
-    scatters = (  # file, y axis, what it shows, its value, whether it is uncertain, timed
+    def accuracy(row: Row) -> tuple[float, float, float] | None:
+        value = row.metrics.get("eval_accuracy")
+        return None if value is None else (value, value, value)
+
+    scatters = (  # file, y axis, what it shows, its (low, value, high), whether it is a speed
         ("memory_vs_throughput.png", f"throughput ({unit})" if unit else
-         "speed against its base (1 / step time x base)", "throughput" if unit else "speed",
-         (lambda row: row.metrics.get("throughput")) if unit else speed, True),
-        ("memory_vs_accuracy.png", "eval accuracy (fraction correct)", "accuracy",
-         lambda row: row.metrics.get("eval_accuracy"), False),
+         "speed against its workload's base (1 / step time x base)",
+         "throughput" if unit else "speed", lambda row: speed_range(row, rows), True),
+        ("memory_vs_accuracy.png", "eval accuracy (fraction correct)", "accuracy", accuracy,
+         False),
     )
     for name, axis, what, value, timed in scatters:
         if any(row.ok and value(row) is not None for row in rows):
@@ -195,52 +203,109 @@ def breakdown_notes(drawn: list[Row], unknown: list[Row]) -> list[str]:
     return notes
 
 
+@dataclass
+class Point:
+    """One config on a scatter: its repeats (memexp.rows.repeats) as one point, at their mean,
+    with a bar over their values' range (each value's own range included)."""
+
+    rows: list[Row]
+    values: dict[tuple, tuple[float, float, float]]  # (low, value, high) by repeat
+    uncertain: bool  # a time the table marks `?`: hollow
+    ranked: bool  # on or against the Pareto front
+
+    @property
+    def x(self) -> float:
+        return statistics.fmean(row.peak / MIB for row in self.rows)
+
+    @property
+    def y(self) -> float:
+        return statistics.fmean(middle for _, middle, _ in self.values.values())
+
+    @property
+    def low(self) -> float:
+        return min(low for low, _, _ in self.values.values())
+
+    @property
+    def high(self) -> float:
+        return max(high for _, _, high in self.values.values())
+
+
+def scatter_points(shown: list[Row], value: Callable[[Row], tuple | None],
+                   timed: bool) -> list[Point]:
+    return [Point(group, {row.repeat: value(row) for row in group},
+                  uncertain=timed and any(speed_doubt(row) for row in group),
+                  # a ratio of two runs' medians from a busy machine may be far off (x0.09),
+                  # however narrow its range: it would push the certain points off the front.
+                  # A spread one (unsettled, or about 1.0) is ranked by its range.
+                  ranked=not timed or not any(row.time_biased for row in group))
+            for group in repeats(shown).values()]
+
+
+def point_labels(points: list[Point]) -> list[str]:
+    """labels_of, for a point of several repeats its config's overrides and how many."""
+    texts = [labels_of(point.rows)[0] if len(point.rows) == 1
+             else point.rows[0].repeat_label.replace(" ", "\n") + f"\n({len(point.rows)} seeds)"
+             for point in points]
+    counts = Counter(texts)
+    return [f"{text} (job {point.rows[0].job})" if counts[text] > 1 else text
+            for text, point in zip(texts, points, strict=True)]
+
+
 def scatter_chart(rows: list[Row], path: Path, axis: str, what: str,
-                  value: Callable[[Row], float | None], timed: bool) -> Chart:
-    """`timed`: the value is a speed (uncertain where the table's time is, log scale when
-    wide); else an accuracy (an axis from 0)."""
+                  value: Callable[[Row], tuple | None], timed: bool) -> Chart:
+    """`value`: a row's (low, value, high). `timed`: the value is a speed (uncertain where the
+    table's throughput is, log scale when wide); else an accuracy (an axis from 0)."""
     import matplotlib.pyplot as plt
 
     shown = [row for row in rows if row.ok and value(row) is not None]
-    points = [(row.peak / MIB, value(row)) for row in shown]
-    uncertain = [timed and row.time_doubt is not None for row in shown]
-    labels = [label + f" {UNCERTAIN}" * doubt
-              for label, doubt in zip(labels_of(shown), uncertain, strict=True)]
+    points = scatter_points(shown, value, timed)
+    labels = [label + f" {UNCERTAIN}" * point.uncertain
+              for label, point in zip(point_labels(points), points, strict=True)]
+    xy = [(point.x, point.y) for point in points]
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=DPI)
     figure.subplots_adjust(left=0.12, right=0.97, top=0.9, bottom=0.12)
-    ys = [y for _, y in points]
-    logarithmic = timed and min(ys) > 0 and max(ys) > LOG_SPAN * min(ys)
+    logarithmic = timed and min(p.low for p in points) > 0 and \
+        max(p.high for p in points) > LOG_SPAN * min(p.low for p in points)
     if logarithmic:
         axes.set_yscale("log")
+    spread = ("its step time x base's spread" if timed else "") + \
+        (" and " if timed and any(len(p.rows) > 1 for p in points) else "") + \
+        ("its seeds' range" if any(len(p.rows) > 1 for p in points) else "")
     for doubt in (False, True):
-        mine = [point for point, d in zip(points, uncertain, strict=True) if d == doubt]
+        mine = [p for p in points if p.uncertain == doubt]
         if mine:
-            axes.scatter([x for x, _ in mine], [y for _, y in mine], zorder=3,
-                         color="none" if doubt else "tab:blue", edgecolors="tab:blue",
-                         label=f"{UNCERTAIN} uncertain time (the report's table says why): not "
-                               "on the front" if doubt else None)
-    # An uncertain time may be far off (a x0.09 step time on a busy machine): it would push
-    # the certain points off the front.
-    certain = [i for i, doubt in enumerate(uncertain) if not doubt]
-    front = [certain[i] for i in pareto_front([points[i] for i in certain])]
-    axes.plot([points[i][0] for i in front], [points[i][1] for i in front], "o-",
+            axes.errorbar([p.x for p in mine], [p.y for p in mine],
+                          yerr=[[p.y - p.low for p in mine], [p.high - p.y for p in mine]],
+                          fmt="o", zorder=3, color="tab:blue", ecolor="tab:blue", capsize=3,
+                          markerfacecolor="none" if doubt else "tab:blue",
+                          label=(f"{UNCERTAIN} {what} uncertain (the report's table says why)"
+                                 if doubt else f"a config; its bar: {spread}" if spread else None))
+    ranked = [i for i, point in enumerate(points) if point.ranked]
+    front = [ranked[i] for i in pareto_front([
+        (points[i].x, {repeat: (low, high) for repeat, (low, _, high) in points[i].values.items()})
+        for i in ranked])]
+    left_off = (" (ratios of two runs on a busy machine are left off it)"
+                if len(ranked) < len(points) else "")
+    axes.plot([points[i].x for i in front], [points[i].y for i in front], "o-",
               color="tab:red", markerfacecolor="none", markersize=11, zorder=2,
-              label=f"Pareto front: no other job has both less memory and more {what}")
+              label=f"Pareto front: no other config certainly has both less memory and more "
+                    f"{what}{' (at each seed, across its bar)' if spread else ''}{left_off}")
     axes.margins(x=0.25, y=0.2)
     if not timed:
         axes.set_ylim(bottom=0)
     axes.set_xlabel("peak memory (MiB)")
     axes.set_ylabel(axis + (", log scale" if logarithmic else ""))
     axes.set_title(f"Peak memory vs {what}: sweep {path.parent.name}")
-    annotate(figure, axes, points, labels)
+    annotate(figure, axes, xy, labels)
     axes.legend(loc="upper left", bbox_to_anchor=(0, -0.1), fontsize="small")
     left_out = [row for row in rows if row not in shown]
     notes = ["Not shown: " + "; ".join(
         f"{label.replace(chr(10), ' ')} ({row.status if row.status != 'ok' else f'no {what}'})"
         for row, label in zip(left_out, labels_of(left_out), strict=True))] if left_out else []
     y_limits = axes.get_ylim()
-    chart = save(figure, axes, path, labels, notes, notes_below=70)
-    chart.points, chart.front, chart.y_limits = points, [labels[i] for i in front], y_limits
+    chart = save(figure, axes, path, labels, notes, notes_below=80)
+    chart.points, chart.front, chart.y_limits = xy, [labels[i] for i in front], y_limits
+    chart.spreads = [(point.low, point.high) for point in points]
     return chart
 
 

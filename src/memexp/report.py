@@ -7,15 +7,21 @@ sweep alike; a file that is not a usable record is skipped and named. Writes `re
 
 Ratios compare techniques on the same workload: rows whose varying overrides differ only in
 technique settings (the technique groups and their keys, model.inplace, memory.*, timing.*)
-share a base: the first that succeeded with the baseline option of precision, checkpointing and
-bn_mode (memexp.baseline), else their first successful row.
+share a workload. Each row's ratios divide by its base, which the table names: the row that ran
+its own baseline config (the config it timed beside its steps, memexp.rows), else its
+workload's base: the first that succeeded with the baseline option of each technique group
+that has one (memexp.baseline), else their first successful row.
 Memory ratios need measured peaks; time ratios need step times taken with the storage tracker off
 (memexp.timing), so a run with memory.track=false has one and a run too short to have untracked
-steps has none. A run that timed its own baseline beside it, where that baseline is the base's
+steps has none. A run that timed its own baseline beside it, where that baseline is its base's
 config, gives its time ratio from those paired steps; any other divides the two runs' medians.
-A time ratio is uncertain when its spread leaves it on either side of 1.0, or when other
-processes were busy on the machine during the steps it comes from; the fastest config that fits
-a budget is never named on one.
+Throughput and step time follow from the ratios (memexp.rows.throughput). A time ratio is
+uncertain when its spread leaves it on either side of 1.0, when a paired ratio had not settled,
+or, for a ratio of two runs' medians, when other processes were busy on the machine during
+either run's steps (a paired ratio's steps took turns, and saw the same machine); the fastest
+config that fits a budget is never named on one. Rows that differ only in their seeds
+(memexp.rows.REPEAT_KEYS) are repeats of one config: how far their accuracy moves says whether
+a technique's difference from the base is more than chance.
 """
 
 from __future__ import annotations
@@ -49,7 +55,19 @@ from memexp.result import (
     mib,
     printable,
 )
-from memexp.rows import MIB, UNCERTAIN, Row, speed, speed_range
+from memexp.rows import (
+    MIB,
+    UNCERTAIN,
+    Row,
+    own_baseline,
+    repeats,
+    speed,
+    speed_doubt,
+    speed_range,
+    step_seconds,
+    throughput,
+    time_chain,
+)
 
 log = logging.getLogger("memexp")
 HALF_MARK = "†"  # beside the time cells of half-precision runs on a CPU
@@ -67,19 +85,47 @@ def job_folders(sweep_dir: Path) -> list[Path]:
     return sorted((p.parent for p in sweep_dir.glob(f"*/{RECORD}")), key=order)
 
 
-def load_rows(sweep_dir: Path) -> tuple[list[Row], list[str]]:
-    """The rows of the sweep's usable records, and why each other result.json was skipped."""
+def load_rows(sweep_dir: Path, read: dict | None = None) -> tuple[list[Row], list[str]]:
+    """The rows of the sweep's usable records, and why each other result.json was skipped.
+    `read`, kept between calls on one sweep (the launcher's line as each job ends), holds the
+    records read so far, by folder, with the time each was written: only new ones are read."""
     rows, skipped = [], []
     for folder in job_folders(sweep_dir):
         try:
-            record = load_record(folder / RECORD)
-            check_launched(folder, record)
+            record = checked_record(folder, {} if read is None else read)
             rows.append(readable(folder, Row(printable(folder.name), record)))
         except BadRecord as error:
             skipped.append(str(error))
     describe_rows(rows)
     add_ratios(rows)
     return rows, skipped
+
+
+def checked_record(folder: Path, read: dict) -> dict:
+    """The folder's record, once check_launched has passed it; from `read` where it was read
+    as it is now."""
+    try:
+        written = (folder / RECORD).stat().st_mtime_ns
+    except OSError:
+        written = None  # gone since the folder was listed: load_record says so
+    if written is None or read.get(folder, (None,))[0] != written:
+        record = load_record(folder / RECORD)
+        check_launched(folder, record)
+        read[folder] = (written, record)
+    return read[folder][1]
+
+
+def job_line(sweep_dir: Path, folder: Path, read: dict) -> str:
+    """What the report says of a job's step time, for the line printed as it ends: its step
+    time x base and the job that is against, as the table will give them, from the records
+    written so far (the sweep's jobs run in order, and a base before the jobs it is the base
+    of; a base still running when a job ends leaves the line without a ratio)."""
+    rows, _ = load_rows(sweep_dir, read)
+    row = next((row for row in rows if row.job == printable(folder.name)), None)
+    if row is None or row.step_time_ratio is None:
+        return ""
+    return (f", step time x base {row.step_time_ratio:.2f}{UNCERTAIN if row.time_doubt else ''}"
+            f" (base: job {row.time_base.job})")
 
 
 def check_launched(folder: Path, record: dict) -> None:
@@ -123,7 +169,7 @@ def readable(folder: Path, row: Row) -> Row:
     record's top keys, not those below them (`metrics.timing`'s). BadRecord otherwise."""
     try:
         csv_record(row)
-        speed_range(row, [row])
+        _ = row.step_time  # metrics.timing's keys, which add_ratios reads
     except (KeyError, TypeError, ValueError, AttributeError, IndexError) as error:
         raise BadRecord(f"{printable(str(folder / RECORD))}: an incomplete record "
                         f"({type(error).__name__}: {printable(str(error))})") from None
@@ -138,7 +184,8 @@ def describe_rows(rows: list[Row]) -> None:
     keys = sorted({k for p in parsed for k in p})
     varying = [k for k in keys if len({p.get(k) for p in parsed}) > 1]
     for row, overrides in zip(rows, parsed, strict=True):
-        row.label = " ".join(f"{k}={overrides[k]}" for k in varying if k in overrides) or "-"
+        row.varying = {k: overrides[k] for k in varying if k in overrides}
+        row.label = " ".join(f"{k}={v}" for k, v in row.varying.items()) or "-"
         row.workload = tuple((k, samples_per_step(row, overrides.get(k)) if k == "data.batch_size"
                               else overrides.get(k)) for k in varying if not is_technique_key(k))
 
@@ -165,41 +212,54 @@ def add_ratios(rows: list[Row]) -> None:
         measured = [row for row in mine if row.ok]
         if base := baseline(measured):
             for row in measured:
-                row.memory_ratio = row.peak / base.peak
+                row.memory_base = own_baseline(row, measured) or base
+                row.memory_ratio = row.peak / row.memory_base.peak
+                accuracies = (row.metrics.get("eval_accuracy"),
+                              row.memory_base.metrics.get("eval_accuracy"))
+                if None not in accuracies:
+                    row.accuracy_delta = accuracies[0] - accuracies[1]
             if not is_baseline(base.result["config"]):
                 base.stand_in_base = "none of those succeeded"
         timed = [row for row in mine if row.step_time is not None]
         if base := baseline(timed):
             for row in timed:
-                add_time_ratio(row, base)
+                add_time_ratio(row, own_baseline(row, timed) or base)
             if not is_baseline(base.result["config"]) and base.stand_in_base is None:
                 base.stand_in_base = "none of those has an untracked step time"
 
 
 def add_time_ratio(row: Row, base: Row) -> None:
-    """The row's step time against the base's: the one timed beside the row's own baseline in
-    its process where that baseline is the base's config, else the ratio of the two medians."""
-    paired = row.paired_with(base) if row is not base else None
+    """The row's step time against its base's: the one timed beside the row's own baseline in
+    its process where that baseline is the base's config, else the ratio of the two medians.
+    The base's own is 1, and certain: how busy the machine was during its steps is its
+    throughput's doubt (memexp.rows.speed_doubt), which every row it is the base of shares."""
+    row.time_base = base
+    if row is base:
+        row.step_time_ratio, time = 1.0, row.step_time
+        row.step_time_range = (time.q1 / time.median, time.q3 / time.median)
+        return
+    paired = row.paired_with(base)
     if paired is not None:
         row.step_time_ratio, row.step_time_range = paired["ratio"], tuple(paired["ratio_iqr"])
-        timed_in = (row,)
     else:
         mine, theirs = row.step_time, base.step_time
         row.step_time_ratio = mine.median / theirs.median
         row.step_time_range = (mine.q1 / theirs.q3, mine.q3 / theirs.q1)
-        timed_in = (row, base)
-    row.time_paired, row.time_base = None if row is base else paired is not None, base
-    busy = sorted({r.job for r in timed_in if r.step_time.busy})
-    beside = sorted({r.job for r in timed_in if r.step_time.beside} if paired is None else ())
-    if busy:
-        row.time_doubt = f"the machine was busy during {jobs(busy)}"
+    row.time_paired = paired is not None
+    # A paired ratio's steps took turns with its baseline's: a busy machine slowed both alike.
+    timed_in = () if paired is not None else (row, base)
+    row.time_busy = sorted({r.job for r in timed_in if r.step_time.busy})
+    beside = sorted({r.job for r in timed_in if r.step_time.beside})
+    row.time_biased = bool(row.time_busy or beside)
+    if row.time_busy:
+        row.time_doubt = f"the machine was busy during {jobs(row.time_busy)}"
     elif beside:
         row.time_doubt = (f"{jobs(beside)} timed no step alone, only beside their baseline's, "
                           "which slows a step")
     elif paired is not None and paired.get("settled") is False:  # older records lack it
         row.time_doubt = ("its step-by-step ratios had not settled within "
                           "timing.paired_spread when its pairs ran out")
-    elif row is not base and row.step_time_range[0] <= 1 <= row.step_time_range[1]:
+    elif row.step_time_range[0] <= 1 <= row.step_time_range[1]:
         row.time_doubt = "its spread overlaps 1.0"
 
 
@@ -231,10 +291,17 @@ def fastest(fitting: list[Row], rows: list[Row]) -> tuple[Row | None, str | None
         return None, f"{jobs(untimed)}: no step time taken with the tracker off"
     ranked = sorted(fitting, key=lambda r: speed(r, rows), reverse=True)
     first, others = ranked[0], ranked[1:]
-    busy = [row.job for row in ranked if row.step_time.busy]
+    # Each speed is its workload's base's over the ratios from the row to it: a busy machine
+    # moves a ratio of two runs' medians, and, between workloads, their bases' own speeds.
+    chains = [time_chain(row) for row in ranked]
+    roots = {id(chain[-1]): chain[-1] for chain in chains}
+    busy = {job for chain in chains for link in chain for job in link.time_busy}
+    if len(roots) > 1:
+        busy |= {root.job for root in roots.values() if root.step_time.busy}
     if others and busy:  # a busy job may be faster than it looked
-        return None, f"the machine was busy during {jobs(busy)}"
-    beside = [row.job for row in ranked if row.step_time.beside and not row.time_paired]
+        return None, f"the machine was busy during {jobs(sorted(busy))}"
+    beside = sorted({link.job for chain in chains for link in chain
+                     if link.step_time.beside and link.time_paired is False})
     if others and beside:  # so may a job whose steps took turns with its baseline's
         return None, f"{jobs(beside)} timed no step alone, only beside their baseline's"
     close = [row.job for row in others
@@ -252,29 +319,40 @@ def jobs(names: list[str]) -> str:
 
 
 # -- writing -------------------------------------------------------------------------------------
-COLUMNS = ["job", "config", "status", *GROUPS, "peak_mib",
-           *[f"{c}_mib" for c in CATEGORY_ORDER], "memory_x_base", "step_time_x_base",
-           "step_time_x_base_low", "step_time_x_base_high", "step_time_x_base_paired",
-           "step_time_doubt",
-           "throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s", "error"]
+COLUMNS = ["job", "config", "status", *GROUPS, "base", "peak_mib",
+           *[f"{c}_mib" for c in CATEGORY_ORDER], "memory_x_base", "step_time_base",
+           "step_time_x_base", "step_time_x_base_low", "step_time_x_base_high",
+           "step_time_x_base_paired", "step_time_doubt", "throughput", "throughput_unit",
+           "throughput_doubt", "step_time_s", "eval_accuracy", "eval_accuracy_vs_base",
+           "final_loss", "error"]
+
+
+def job_of(row: Row | None) -> str | None:
+    return row.job if row is not None else None
 
 
 def csv_record(row: Row) -> dict:
     breakdown = row.memory.get("breakdown_at_peak") or {}
     error = row.result.get("error")
-    record = {"job": row.job, "config": row.label, "status": row.status,
-              **{g: row.result.get("techniques", {}).get(g) for g in GROUPS},
-              "peak_mib": row.peak / MIB if row.peak is not None else None,
-              **{f"{c}_mib": breakdown[c] / MIB if c in breakdown else None
-                 for c in CATEGORY_ORDER},
-              "memory_x_base": row.memory_ratio, "step_time_x_base": row.step_time_ratio,
-              "step_time_x_base_low": row.step_time_range and row.step_time_range[0],
-              "step_time_x_base_high": row.step_time_range and row.step_time_range[1],
-              "step_time_x_base_paired": row.time_paired,
-              "step_time_doubt": row.time_doubt, "error": error_line(error) if error else None}
-    for key in ("throughput", "throughput_unit", "eval_accuracy", "final_loss", "step_time_s"):
-        record[key] = row.metrics.get(key)
-    return record
+    return {"job": row.job, "config": row.label, "status": row.status,
+            **{g: row.result.get("techniques", {}).get(g) for g in GROUPS},
+            "base": job_of(row.memory_base),
+            "peak_mib": row.peak / MIB if row.peak is not None else None,
+            **{f"{c}_mib": breakdown[c] / MIB if c in breakdown else None
+               for c in CATEGORY_ORDER},
+            "memory_x_base": row.memory_ratio, "step_time_base": job_of(row.time_base),
+            "step_time_x_base": row.step_time_ratio,
+            "step_time_x_base_low": row.step_time_range and row.step_time_range[0],
+            "step_time_x_base_high": row.step_time_range and row.step_time_range[1],
+            "step_time_x_base_paired": row.time_paired, "step_time_doubt": row.time_doubt,
+            # both from the step time x base (memexp.rows), never from another timing
+            "throughput": throughput(row),
+            "throughput_unit": row.metrics.get("throughput_unit"),
+            "throughput_doubt": speed_doubt(row), "step_time_s": step_seconds(row),
+            "eval_accuracy": row.metrics.get("eval_accuracy"),
+            "eval_accuracy_vs_base": row.accuracy_delta,
+            "final_loss": row.metrics.get("final_loss"),
+            "error": error_line(error) if error else None}
 
 
 def fmt(value, digits: int = 2) -> str:
@@ -289,8 +367,17 @@ def cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
 
 
+def base_cell(row: Row) -> str:
+    """The job its ratios are against; both, where its memory and time bases differ (a base
+    with no untracked step time, or no measured peak)."""
+    memory, time = job_of(row.memory_base), job_of(row.time_base)
+    if memory is None or time is None or memory == time:
+        return cell(memory or time or "-")
+    return cell(f"{memory} (time: {time})")
+
+
 def time_ratio_cell(row: Row) -> str:
-    """The ratio, its range from the interquartile ranges, and `?` where it is uncertain."""
+    """The ratio, its range, and `?` where it is uncertain."""
     if row.step_time_ratio is None:
         return "-"
     low, high = row.step_time_range
@@ -298,21 +385,30 @@ def time_ratio_cell(row: Row) -> str:
             f"({low:.2f}-{high:.2f})")
 
 
-TIME_LEGEND = ("Step time x base: the step time, taken with the storage tracker off, against the "
-               "base's: the median step-by-step ratio where the run timed its baseline beside it "
-               "(in brackets their interquartile range), else the ratio of the two runs' medians "
-               "(in brackets the range their interquartile ranges allow); `?` marks an uncertain "
-               "ratio.")
+TIME_LEGEND = ("Each row's ratios are against the job in `base`: the row that ran its baseline "
+               "config where the sweep has one, else its workload's base. Step time x base: the "
+               "step time, taken with the storage tracker off, against the base's: the median "
+               "step-by-step ratio where the run timed its baseline beside it (in brackets their "
+               "interquartile range), else the ratio of the two runs' medians (in brackets the "
+               "range their interquartile ranges allow); `?` marks an uncertain ratio. "
+               "Throughput: the base's over the step time x base (the workload's base: its own "
+               "steps'). acc - base: eval accuracy less the base's.")
 
 
 def ratio_notes(rows: list[Row]) -> list[str]:
-    """Under the table: which job stands in as a base, which time ratios are uncertain and why,
-    and why some are missing."""
+    """Under the table: which job stands in as a base, which time ratios and throughputs are
+    uncertain and why, and why some are missing; then what the repeats say of accuracy."""
     notes = [f"- job {row.job} is the base of its workload's ratios, though it is not a baseline "
              f"config ({', '.join(BASELINE_GROUPS)} at their baseline options): "
              f"{row.stand_in_base}" for row in rows if row.stand_in_base]
     notes += [f"- job {row.job}: step time x base uncertain: {row.time_doubt}"
               for row in rows if row.time_doubt]
+    inherited: dict[str, list[str]] = {}
+    for row in rows:
+        if not row.time_doubt and (doubt := speed_doubt(row)):
+            inherited.setdefault(doubt, []).append(row.job)
+    notes += [f"- {jobs(names)}: throughput uncertain: {doubt}"
+              for doubt, names in inherited.items()]
     paired = [row.job for row in rows if row.time_paired]
     apart = [row.job for row in rows if row.time_paired is False]
     if paired:
@@ -326,25 +422,61 @@ def ratio_notes(rows: list[Row]) -> list[str]:
         notes.append(f"- {jobs(untimed)}: no step time x base: every step ran under the storage "
                      "tracker (no more steps than memory.measure_steps), which slows steps by "
                      "their number of ops")
+    return notes + accuracy_notes(rows)
+
+
+def accuracy_notes(rows: list[Row]) -> list[str]:
+    """For each config run with several seeds (memexp.rows.REPEAT_KEYS), its eval accuracy
+    against the base at each seed, set beside how far the same config's accuracy moves between
+    seeds (the base's, or its own, whichever moves more): a difference is told apart from
+    chance only where every seed's has the same sign and each is larger than that."""
+    notes = []
+    for group in repeats([row for row in rows if row.accuracy_delta is not None]).values():
+        if len(group) < 2 or any(row.memory_base is row for row in group):
+            continue
+        seeds: dict[str, list[str]] = {}
+        for key, value in (pair for row in group for pair in row.repeat):
+            seeds.setdefault(key, []).append(value)
+        which = " ".join(f"{key}={','.join(dict.fromkeys(values))}"
+                         for key, values in seeds.items())
+        deltas = [row.accuracy_delta for row in group]
+        label = cell(group[0].repeat_label)
+        if all(delta == 0 for delta in deltas):
+            notes.append(f"- {label}: eval acc the base's exactly at each of {len(group)} "
+                         f"seeds ({which}): the same math")
+            continue
+        spread = max(max(accuracies) - min(accuracies) for accuracies in (
+            [row.metrics["eval_accuracy"] for row in group],
+            [row.memory_base.metrics["eval_accuracy"] for row in group]))
+        told = (len({delta > 0 for delta in deltas}) == 1
+                and min(abs(delta) for delta in deltas) > spread)
+        verdict = ("larger: a difference of the technique, not of the seed" if told else
+                   "not larger: not told apart from a difference of the seed")
+        notes.append(f"- {label}: eval acc {', '.join(f'{d:+.3f}' for d in deltas)} against "
+                     f"the base ({which}); the same config's accuracy moves by up to "
+                     f"{spread:.3f} between seeds: {verdict}")
     return notes
 
 
 def markdown_table(rows: list[Row]) -> str:
-    columns = ["job", "config", "status", "peak MiB", *DEVICE_CATEGORIES, "memory x base",
-               "step time x base", "throughput", "eval acc", "final loss"]
+    columns = ["job", "config", "status", "base", "peak MiB", *DEVICE_CATEGORIES,
+               "memory x base", "step time x base", "throughput", "eval acc", "acc - base",
+               "final loss"]
     lines = [f"| {' | '.join(columns)} |", "|---" * len(columns) + "|"]
     for row in rows:
         r = csv_record(row)
         mark = HALF_MARK if half_precision_on_cpu(row.result) else ""
-        doubt = UNCERTAIN if row.time_doubt else ""  # as its time ratio's: the same steps
+        doubt = UNCERTAIN if r["throughput_doubt"] else ""
         throughput = (f"{r['throughput']:.1f}{doubt} {r['throughput_unit']}{mark}"
                       if r["throughput"] is not None else "-")
+        delta = r["eval_accuracy_vs_base"]
         lines.append(
-            f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | "
+            f"| {cell(row.job)} | {cell(row.label)} | {cell(row.status)} | {base_cell(row)} | "
             f"{fmt(r['peak_mib'], 1)} | "
             + " | ".join(fmt(r[f"{c}_mib"], 1) for c in DEVICE_CATEGORIES)
             + f" | {fmt(r['memory_x_base'])} | {time_ratio_cell(row)}{mark} | {throughput} | "
-            f"{fmt(r['eval_accuracy'], 3)} | {fmt(r['final_loss'], 4)} |")
+            f"{fmt(r['eval_accuracy'], 3)} | {'-' if delta is None else f'{delta:+.3f}'} | "
+            f"{fmt(r['final_loss'], 4)} |")
     if any(half_precision_on_cpu(row.result) for row in rows):
         lines += ["", f"{HALF_MARK} {HALF_ON_CPU}."]
     return "\n".join(lines)

@@ -126,6 +126,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         configs = {number: self._job_config(overrides, number) for overrides, number in jobs}
         width = self.params["parallel_jobs"] if self._CHUNKED else len(jobs)
         returns = []
+        records: dict = {}  # what each job's line has read of the sweep (memexp.report.job_line)
         for first in range(0, len(jobs), max(width, 1)):
             chunk = jobs[first:first + max(width, 1)]
             arguments = [(overrides, Singleton.get_state(), configs[number])
@@ -145,7 +146,7 @@ class _SurvivingLauncher(BaseSubmititLauncher):
                                           self.params["heartbeat_s"])
                     returns.append(self._outcome(job, overrides, number, result_file, heartbeat))
                     log.info(self._ended(names[number], result_file, returns[-1].return_value,
-                                         time.monotonic() - submitted_at))
+                                         time.monotonic() - submitted_at, records))
             except KeyboardInterrupt:
                 self._interrupted(running)
                 raise
@@ -155,12 +156,16 @@ class _SurvivingLauncher(BaseSubmititLauncher):
         """Ctrl-C while `jobs` (job, its result.json, its overrides, its number) ran: SLURM's
         go on in the cluster (scancel stops them, and they record it)."""
 
-    def _ended(self, job: str, result_file: Path, status: str, seconds: float) -> str:
+    def _ended(self, job: str, result_file: Path, status: str, seconds: float,
+               records: dict) -> str:
         """One line per job as it ends, into the sweep's own output: its result.json (read by
-        `memexp show`) says the same, but sits in a folder nobody watches mid-sweep. A job
-        that failed (`status`, submitit's) beside a record of a run that did not is a rerun
-        refused before it wrote anything: the record is an earlier run's."""
+        `memexp show`) says the same, but sits in a folder nobody watches mid-sweep; its step
+        time x base is the report's, against the base the report names (`records`: what the
+        sweep's lines have read so far, memexp.report.job_line). A job that failed (`status`,
+        submitit's) beside a record of a run that did not is a rerun refused before it wrote
+        anything: the record is an earlier run's."""
         from memexp.progress import duration
+        from memexp.report import job_line
         from memexp.result import BadRecord, load_record, mib
 
         try:
@@ -171,9 +176,11 @@ class _SurvivingLauncher(BaseSubmititLauncher):
             return (f"{job}: refused before it ran (its log says why); {result_file} is an "
                     f"earlier run's record ({record['status']}), kept as it was")
         peak = (record.get("memory") or {}).get("peak_bytes")
-        paired = ((record.get("metrics") or {}).get("timing") or {}).get("paired") or {}
-        ratio = (f", step time {paired['ratio']:.2f}x its baseline's"
-                 f"{'' if paired.get('settled', True) else '?'}" if "ratio" in paired else "")
+        # the table's step time x base, and its base, as the report reads the records so far
+        try:
+            ratio = job_line(result_file.parent.parent, result_file.parent, records)
+        except Exception as error:  # the sweep goes on; its report at the end says what it can
+            ratio = f", no step time x base yet ({type(error).__name__}: {error})"
         return f"{job}: {record['status']}, peak {mib(peak)}{ratio}, {duration(seconds)}"
 
     def __call__(self, sweep_overrides: list[str], singleton_state: dict,
