@@ -14,25 +14,21 @@ took the 6 conv layers, at 6 both groups). Small configs (hidden 32, conv_dim 16
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 from machine import describe_machine
 
 from memexp.estimate import compose_config
 from memexp.trainer import Trainer
 
+# the small HuBERT and WavLM configs tests/test_any_model.py builds
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from test_any_model import speech_model  # noqa: E402
+
 KIB = 2**10
 CPU = ("trainer.device=cpu", "trainer.progress=false", "logger=none")
-DATA = ("data.batch_size=4", "data.num_train=32", "data.num_eval=8", "data.seq_len=32")
 CONV = {"hubert": "HubertNoLayerNormConvLayer", "wavlm": "WavLMNoLayerNormConvLayer"}
-
-
-def speech_model(arch: str, layers: int) -> tuple[str, ...]:
-    """As tests/test_any_model.py builds them."""
-    return ("model=hf", f"model.arch={arch}", "model.task=ctc", *(
-        f"+model.config.{key}={value}" for key, value in {
-            "hidden_size": 32, "num_hidden_layers": layers, "num_attention_heads": 2,
-            "intermediate_size": 64, "conv_dim": "[16,16,16,16,16,16,16]",
-            "num_conv_pos_embeddings": 16, "num_conv_pos_embedding_groups": 4,
-            "vocab_size": 32, "layerdrop": 0}.items()), *DATA)
 
 
 def saved(overrides: tuple[str, ...]) -> tuple[int, str]:
