@@ -188,6 +188,29 @@ def test_offload_leaves_no_saved_activation_on_the_device():
                                         if k != "offloaded")
 
 
+def test_offload_moves_a_tensor_whose_storage_took_a_replaced_parameter_s_place():
+    """The offload saves a parameter in place. A parameter replaced after it was applied
+    (fully_shard replaces each with its shard) frees its storage, and Python hands the freed
+    storage object's id to the next one made: a tensor saved for backward on that storage is
+    an activation, and moves to the host. (Before: it stayed on the device, or not, by where
+    Python put the object, so that FSDP's estimates with checkpointing=offload changed with
+    what the process had traced before.)"""
+    model = torch.nn.Linear(8, 8)
+    offload = build(compose_train("checkpointing=offload").checkpointing)
+    offload.apply(model)
+    assert offload._pack(model.weight) is model.weight  # a parameter: saved in place
+    freed = id(model.weight.untyped_storage())
+    model.weight = torch.nn.Parameter(torch.zeros(8, 8))  # the old storage goes
+    for _ in range(1000):  # Python reuses a freed object's memory for the next of its size
+        tensor = torch.ones(8, 8)
+        if id(tensor.untyped_storage()) == freed:
+            break
+    else:
+        pytest.fail("no storage took the freed one's id: nothing to check")
+    packed = offload._pack(tensor)
+    assert isinstance(packed, tuple) and torch.equal(offload._unpack(packed), tensor)
+
+
 def test_full_offload_moves_each_blocks_input_to_the_host_and_back():
     """Full checkpointing keeps each block's input on the device; full_offload keeps it on the
     host instead, every byte of it: the saved activations fall by exactly the blocks' inputs,

@@ -13,15 +13,16 @@ import signal
 
 import pytest
 import torch
+from omegaconf import OmegaConf
 from torch import Tensor, nn
 
-from memexp import cli, depth
+from memexp import cli, depth, settle
 from memexp import estimate as estimate_module
 from memexp import plan as planner
 from memexp.build import build_model
 from memexp.estimate import compose_config, estimate
 from memexp.plan import fits_in, plan, refusal
-from memexp.settle import persistent_bytes
+from memexp.settle import group_bound
 from memexp.steptime import duration
 
 from conftest import CPU_SMALL
@@ -100,6 +101,19 @@ def test_an_estimate_from_copies_with_fewer_blocks_is_the_full_trace_s_to_the_by
         assert figures(extrapolated) == figures(full), overrides
 
 
+def test_ddp_s_first_backward_makes_its_buckets_in_the_last_block_and_is_extrapolated():
+    """DDP with LoRA on 2 ranks: the first backward's first block to run (the model's last)
+    makes DDP's gradient buckets as its first gradients come, moments no other block has. That
+    block is a part of its own, as the first block is, and the copies give every figure of the
+    full trace (they could not before: "its blocks have different moments")."""
+    for checkpointing in ("none", "full"):
+        extrapolated, full = by_depth([*DECODER, "adapter=lora", "parallel=ddp",
+                                       "trainer.nproc=2", "optim=adamw",
+                                       f"checkpointing={checkpointing}"])
+        assert not isinstance(extrapolated, str), extrapolated
+        assert figures(extrapolated) == figures(full)
+
+
 class SpikeBeforeTheBlocks(nn.Module):
     """A peak that moves: forward makes a large temporary before its blocks run (a constant
     spike), and the blocks keep activations for backward (growing with the depth). With few
@@ -145,16 +159,91 @@ def test_a_peak_that_moves_to_another_moment_at_the_model_s_depth_is_not_extrapo
         depth.extrapolated(copies, 12)
 
 
+def counted_shallow(plain: dict, keep: int, world_size):
+    """memexp.settle's trace of a copy, each call written to the file MEMEXP_TEST_COPIES names
+    (the forked workers count it there)."""
+    with open(os.environ["MEMEXP_TEST_COPIES"], "a") as counted:
+        counted.write(f"{keep}\n")
+    return depth.shallow_trace(OmegaConf.create(plain), keep,
+                               world_size=world_size)
+
+
+class SpikePerSample(SpikeBeforeTheBlocks):
+    """SpikeBeforeTheBlocks with a spike as large per sample as the default's at batch 8: its
+    peak moves at the same depth whatever the micro-batch."""
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        self.spike = 3 * 2**20 * tokens.shape[0] // 8
+        return super().forward(tokens)
+
+
+def test_a_recomputation_whose_copies_are_not_alike_is_traced_whole_without_more_copies(
+        monkeypatch, tmp_path):
+    """Without recomputation SpikePerSample's copies cannot give its figures (its forward's
+    peak moves with the depth), with full checkpointing they can: once the first candidate
+    without recomputation says so, the other (its micro-batches halved) is traced whole
+    without tracing its copies first; those with full checkpointing are still extrapolated.
+    Each estimate is the full trace's. (One worker: the order the copies are traced in is the
+    order they were submitted.)"""
+    counted = tmp_path / "copies"
+    monkeypatch.setenv("MEMEXP_TEST_COPIES", str(counted))
+    monkeypatch.setattr(settle, "_shallow", counted_shallow)
+    monkeypatch.setattr(settle, "workers_for", lambda tasks: 1)
+    spike = [*SPIKE, "model._target_=test_plan.SpikePerSample"]
+    plans = plan([*spike, "precision=fp32", "adapter=none", "loss=cross_entropy",
+                  "checkpointing=none,full", "optim.accumulate=1,2"], "1GiB")
+    sources = {tuple(o for o in p.overrides if o.startswith(("checkpointing", "optim.acc"))):
+               p.settled.source for p in plans}
+    assert sources == {("checkpointing=none", "optim.accumulate=1"): "traced whole",
+                       ("checkpointing=none", "optim.accumulate=2"): "traced whole",
+                       ("checkpointing=full", "optim.accumulate=1"): "2, 3 and 4 of its 12 "
+                                                                     "Sequential blocks",
+                       ("checkpointing=full", "optim.accumulate=2"): "2, 3 and 4 of its 12 "
+                                                                     "Sequential blocks"}
+    # the copies of three candidates; of the second without recomputation, at most the one
+    # a worker had begun when the first's were found not alike
+    assert 3 * len(depth.DEPTHS) <= len(counted.read_text().split()) < 4 * len(depth.DEPTHS)
+    for p in plans:
+        assert figures(p.estimate) == figures(estimate(compose_config([*spike, *p.overrides])))
+
+
+def test_the_bound_of_a_group_holds_its_state_in_the_first_step_and_no_candidate_less():
+    """A group's bound is the larger of what its first optimizer step begins with (parameters
+    and their gradients: twice the parameters in fp32) and ends with (parameters and AdamW's
+    two moments, three times, and a float32 `step` counter each, on the run's device, the CPU
+    here; SGD's: the parameters alone). On one rank of 2 under DDP, its gradient buckets too, a
+    copy of every gradient that the rank's all-reduce read. No candidate of the group peaks
+    below it."""
+    one, ddp = ["optim=adamw"], ["optim=adamw", "parallel=ddp", "trainer.nproc=2"]
+    adamw, sgd, on_ranks = (compose_config([*DECODER, "precision=fp32", *options])
+                            for options in (one, ["optim=sgd"], ddp))
+    with torch.device("meta"):
+        weights = list(build_model(adamw.model).parameters())
+    params = sum(p.numel() * 4 for p in weights)
+    state = 3 * params + 4 * len(weights)
+    assert group_bound(sgd) == 2 * params
+    assert group_bound(adamw) == state
+    assert group_bound(on_ranks, 2) >= state + params
+    for group, ranks in ((one, None), (ddp, 2)):
+        bound = group_bound(compose_config([*DECODER, "precision=fp32", *group]), ranks)
+        for options in (["checkpointing=none"], ["checkpointing=full", "optim.accumulate=2",
+                                                  "data.batch_size=1"]):
+            candidate = compose_config([*DECODER, "precision=fp32", *group, *options])
+            assert estimate(candidate, world_size=ranks).memory["peak_bytes"] >= bound
+
+
 def test_each_plan_is_its_command_s_full_estimate_and_a_group_over_by_its_state_untraced(
         capsys, monkeypatch):
-    """A plan with its overrides and flags in any order and --headroom: what a run holds from
-    its first step to its last (its parameters) is traced once for the candidates that share
-    it, and no moment holds less: fp32's, over the budget less the headroom, leaves its
-    candidates over without a trace of their steps. bf16_pure's are settled from copies of the
-    model's 5 blocks, and each plan's printed command, with each override once, has a `memexp
-    estimate` equal to the plan's to the byte."""
+    """A plan with its overrides and flags in any order and --headroom: what a run holds in its
+    first optimizer step (its parameters, their gradients, AdamW's moments) is traced once for
+    the candidates that share it, and no peak of theirs is less: fp32's, over the budget less
+    the headroom, leaves its candidates over without a trace of their steps, once the one
+    traced first (full checkpointing, the likeliest to fit) is over.
+    bf16_pure's are settled from copies of the model's 5 blocks, and each plan's printed
+    command, with each override once, has a `memexp estimate` equal to the plan's to the
+    byte."""
     fp32 = compose_config([*DECODER, "precision=fp32"])
-    kept = persistent_bytes(fp32)
+    kept = group_bound(fp32)
     with torch.device("meta"):
         blocks = depth.repeats(build_model(fp32.model))
     budget = kept  # fp32 is over its 90% by its parameters alone; bf16_pure's are half
@@ -168,7 +257,10 @@ def test_each_plan_is_its_command_s_full_estimate_and_a_group_over_by_its_state_
     [plans] = returned
     assert out.splitlines()[0].split(" (")[0].endswith(
         f"ways fit in {budget} less 10% headroom")
-    assert err.count("(its parameters and optimizer alone)") == 2
+    assert err.count("(its parameters, gradients and optimizer state alone)") == 1
+    assert "over  precision=fp32 optim=adamw bn_mode=train adapter=none loss=cross_entropy " \
+           "compile=none checkpointing=none optim.accumulate=1 data.batch_size=2  (its " \
+           "parameters, gradients and optimizer state alone)" in err
     assert f"(2, 3 and 4 of its 5 {blocks.kind} blocks)" in err
     fp32_plan = next(p for p in plans if p.precision == "fp32")
     assert fp32_plan.estimate is None and fp32_plan.peak_bytes == kept and not fp32_plan.fits

@@ -223,7 +223,7 @@ class Trail:
         self.owners: dict[int, tuple[object, int]] = {}
 
     # -- told by the tracker -----------------------------------------------------------------
-    def op(self, tracker, args, kwargs) -> None:
+    def op(self, tracker, func, args, kwargs) -> None:
         if self.mode != "owners":
             return
         owners = set()
@@ -405,9 +405,9 @@ class _Blocks:
     the embedding is frozen; the last prefetches no next block under FSDP). Fitted to the inner
     blocks of the two deeper copies, and checked on every block of all three: the first and
     the last check the slopes the inner blocks give. `start` 1: the first block has other
-    moments, and is left out (a part of its own)."""
+    moments, and is left out (a part of its own); `stop` 1: so has the last."""
 
-    def __init__(self, by_depth: dict[int, list], start: int):
+    def __init__(self, by_depth: dict[int, list], start: int, stop: int = 0):
         values = [value for row in by_depth.values() for value in row]
         self.none = all(value is None for value in values)
         if self.none:
@@ -423,7 +423,8 @@ class _Blocks:
         self.b = value(1, deep) - value(1, middle)
         self.c = value(1, middle) - self.a - middle * self.b
         self.first = value(0, shallow) - self._inner(0, shallow) if start == 0 else 0
-        self.last = value(shallow - 1, shallow) - self._inner(shallow - 1, shallow)
+        self.last = (value(shallow - 1, shallow) - self._inner(shallow - 1, shallow)
+                     if stop == 0 else 0)
         for depth, row in by_depth.items():
             for index, found in enumerate(row, start):
                 if self.at(index, depth) != found:
@@ -504,12 +505,20 @@ def _moments(trails: list[dict], depths: tuple[int, ...], to: int) -> tuple[dict
                 fixed([row[0] for row in blocks.values()],
                       lambda n, c=number, r=run, s=step: (c, r, 0 if s > 0 else to - 1, n),
                       (number, run, "block", "first"), phase)
-            if len({n for row in counts.values() for n in row[start:]}) != 1:
+            # So may the last (the first to run in the first backward, where DDP makes its
+            # gradient buckets as the first gradients come)
+            stop = 0 if len({n for row in counts.values() for n in row[start:]}) == 1 else 1
+            if stop:
+                fixed([row[-1] for row in blocks.values()],
+                      lambda n, c=number, r=run, s=step: (c, r, to - 1 if s > 0 else 0, n),
+                      (number, run, "block", "last"), phase)
+            inner = {n for row in counts.values() for n in row[start:len(row) - stop]}
+            if len(inner) != 1:
                 raise NotAlike(f"{phase}: its blocks have different moments")
-            indices = [index for index in dict.fromkeys((start, 1, to - 2, to - 1))]
-            for ordinal in range(counts[depths[0]][-1]):
-                line = _Blocks({depth: [block[0][ordinal] for block in row[start:]]
-                                for depth, row in blocks.items()}, start)
+            indices = [index for index in dict.fromkeys((start, 1, to - 2, to - 1 - stop))]
+            for ordinal in range(inner.pop()):
+                line = _Blocks({depth: [block[0][ordinal] for block in row[start:len(row) - stop]]
+                                for depth, row in blocks.items()}, start, stop)
                 for index in indices:
                     (name,) = _block_names(index, to) & {"first", "second", "second to last",
                                                          "last"}
@@ -518,8 +527,8 @@ def _moments(trails: list[dict], depths: tuple[int, ...], to: int) -> tuple[dict
                         line.at(index, to), (number, run, position, ordinal),
                         (number, run, "block", name, ordinal)))
             for position, kind in enumerate(running, 1):
-                line = _Blocks({depth: [block[position] for block in row[start:]]
-                                for depth, row in blocks.items()}, start)
+                line = _Blocks({depth: [block[position] for block in row[start:len(row) - stop]]
+                                for depth, row in blocks.items()}, start, stop)
                 running[kind] += [value for value in (line.at(index, to) for index in indices)
                                   if value is not None]
     return by_phase, running

@@ -128,8 +128,10 @@ class Pool:
                     yield key, Failed(RuntimeError("its worker died"), "")
                     continue
                 self.idle.append(connection)
-                self._hand_out()
+                # what the caller makes of the result (tasks dropped, or put first) before
+                # the next is handed out
                 yield key, result if ok else Failed(*result)
+                self._hand_out()
 
     def close(self) -> None:
         """End the workers (whatever they are doing) and reap them."""

@@ -16,10 +16,11 @@ that much); a choice that fits in no way is listed once, with its smallest peak.
 
 The estimates are the planner's cost: each is had as cheaply as it can be, and equals a full
 `memexp estimate` of its plan to the byte. Candidates are traced in parallel in forked
-workers where cores are free; what they hold from first step to last is traced once for every
-candidate that shares it, and a candidate over the budget by that alone is not traced further;
-and a model of repeated alike blocks is traced at 2, 3 and 4 of them, its figures extrapolated
-to its own depth where the traces show the blocks alike (memexp.depth).
+workers where cores are free; what they hold once their first optimizer step is done is traced
+once for every candidate that shares it, and a candidate over the budget by that alone is not
+traced further; and a model of repeated alike blocks is traced at 2, 3 and 4 of them, its
+figures extrapolated to its own depth where the traces show the blocks alike (memexp.depth),
+except in a group whose copies once were not: its candidates are traced whole.
 
 With a world size above 1 (`--world-size N`), parallel=ddp, zero1 and fsdp are searched too, each
 estimated for its rank with the largest peak (memexp.estimate_parallel), and run with
@@ -457,7 +458,8 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
         search.settled += 1
         at_least = ">" if found.estimate is None else " "
         show(f"  {at_least}{mib(found.peak_bytes):>10}  {'fits' if found.fits else 'over':<4}  "
-             f"{' '.join(candidate.overrides)}  ({result.source})")
+             f"{' '.join(candidate.overrides)}  ({result.source}"
+             f"{': its copies, ' + result.why if result.why else ''})")
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # no OpenMP threads before the workers fork (memexp.forked)
@@ -604,8 +606,8 @@ def sources(plans: list[Plan]) -> list[str]:
         if source == TRACED_WHOLE:
             lines.append(f"  {which}: traced whole")
         elif plans[numbers[0] - 1].estimate is None:
-            lines.append(f"  {which}: over the budget with {source} (held from the first step "
-                         "to the last), not traced further")
+            lines.append(f"  {which}: over the budget with {source} (held from the end of its "
+                         "first optimizer step to the last), not traced further")
         else:
             lines.append(f"  {which}: extrapolated from traces of {source} (memexp.depth); "
                          "each equals the full trace to the byte")

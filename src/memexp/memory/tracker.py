@@ -288,7 +288,7 @@ class LiveStorageTracker(TorchDispatchMode):
         if _loss_depth and func is _TO_COPY and self._holds_weights(args[0]):
             return self._cast_of_weights(func, types, args, kwargs)
         if _follower is not None:
-            _follower.op(self, args, kwargs)
+            _follower.op(self, func, args, kwargs)
         out = func(*args, **(kwargs or {}))
         if _WRAPPER_TYPES.get(type(out)) is False:  # most ops: one plain tensor, inlined
             if self.device_type is not None and not self._on_device(out):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import logging
+import weakref
 from collections import Counter
 from collections.abc import Mapping
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
@@ -417,7 +418,10 @@ class OffloadActivations(Technique):
         """Where the copies come back to, and the parameters, which are never copied."""
         self._device = model_device(model)
         self._pin = self.pin_memory and self._device.type == "cuda"
-        self._parameters = {id(p.untyped_storage()) for p in model.parameters()}
+        # By weak reference: a storage freed since (fully_shard's shards replace the parameters
+        # it is given) leaves its id to another, an activation's maybe, which must still move.
+        self._parameters = {id(storage): weakref.ref(storage)
+                            for storage in (p.untyped_storage() for p in model.parameters())}
 
     def context(self) -> AbstractContextManager:
         return self.hooks() if self.blocks is None else nullcontext()
@@ -426,7 +430,9 @@ class OffloadActivations(Technique):
         return torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
 
     def _pack(self, tensor: Tensor):
-        if id(tensor.untyped_storage()) in self._parameters:
+        storage = tensor.untyped_storage()
+        parameter = self._parameters.get(id(storage))
+        if parameter is not None and parameter() is storage:
             return tensor
         with host_resident():
             host = torch.empty(tensor.size(), dtype=tensor.dtype, layout=tensor.layout,
