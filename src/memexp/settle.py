@@ -36,7 +36,7 @@ from memexp.forked import Failed, Pool, workers_for
 from memexp.memory.tracker import followed, tensor_storages
 
 TRACED_WHOLE = "traced whole"  # a Settled's source where nothing was cut or bounded
-BOUNDED = "its parameters, gradients and optimizer state alone"  # and where bounded
+BOUNDED = "its parameters, gradients and optimizer state alone"  # a Settled's source where bounded
 # The roles the meter gives storages (memexp.memory.meter): the same in every candidate of a group
 _ROLES = ("params", "frozen", "grads", "optimizer")
 # The namespaces of torch.distributed's collectives
@@ -80,10 +80,10 @@ class _FirstStep:
 
     def op(self, tracker, func, args, kwargs) -> None:
         if func.namespace in _COLLECTIVES:
-            self.reduced.update(tracker._live.get(id(storage))
-                                for tensor in tree_leaves((args, kwargs))
+            self.reduced.update(record for tensor in tree_leaves((args, kwargs))
                                 if isinstance(tensor, torch.Tensor)
-                                for storage in tensor_storages(tensor))
+                                for storage in tensor_storages(tensor)
+                                if (record := tracker._live.get(id(storage))) is not None)
 
     def added(self, tracker, record, nbytes: int) -> None:
         pass
@@ -151,6 +151,7 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
 
     def checkpointing(number: int) -> str:
         return candidates[number].cfg.checkpointing._target_
+
     tasks = sum(1 if how == "whole" else len(depth.DEPTHS) for how in state.values())
     with Pool(workers_for(tasks)) as pool:
 
@@ -198,8 +199,8 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
         # First each group's last candidate (the most recomputed or offloaded: the likeliest to
         # fit); where it is over, its group's bound next (bounds only a CPU estimate's: the CUDA
         # trace runs in a process of its own); then the rest, those traced whole first.
-        probes = [numbers[-1] for numbers in groups.values()]
-        for number in probes:
+        probes = {numbers[-1] for numbers in groups.values()}
+        for number in sorted(probes):
             submit(number)
         for number in sorted(state, key=lambda n: state[n] != "whole"):
             if number not in probes:
