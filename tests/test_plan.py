@@ -114,6 +114,22 @@ def test_ddp_s_first_backward_makes_its_buckets_in_the_last_block_and_is_extrapo
         assert figures(extrapolated) == figures(full)
 
 
+def test_a_first_block_whose_input_is_already_offloaded_is_a_part_of_its_own_for_host_bytes():
+    """checkpointing=full_offload: each block's input goes to the host as the block begins,
+    the first block's in the part before the blocks (as the trail divides the trace): so the
+    first block raises no running maximum of host bytes, where every later block does. For that
+    kind the first block is a part of its own, and the
+    copies give every figure of the full trace (they could not before: "a block's moment is at
+    some depths only"), on one process and on DDP's ranks with LoRA."""
+    for overrides in (["checkpointing=full_offload", "optim=adamw"],
+                      ["checkpointing=full_offload", "optim=adamw", "adapter=lora",
+                       "parallel=ddp", "trainer.nproc=2", "optim.accumulate=2",
+                       "data.batch_size=1"]):
+        extrapolated, full = by_depth([*DECODER, *overrides])
+        assert not isinstance(extrapolated, str), extrapolated
+        assert figures(extrapolated) == figures(full), overrides
+
+
 class SpikeBeforeTheBlocks(nn.Module):
     """A peak that moves: forward makes a large temporary before its blocks run (a constant
     spike), and the blocks keep activations for backward (growing with the depth). With few

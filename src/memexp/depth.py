@@ -527,11 +527,34 @@ def _moments(trails: list[dict], depths: tuple[int, ...], to: int) -> tuple[dict
                         line.at(index, to), (number, run, position, ordinal),
                         (number, run, "block", name, ordinal)))
             for position, kind in enumerate(running, 1):
-                line = _Blocks({depth: [block[position] for block in row[start:len(row) - stop]]
-                                for depth, row in blocks.items()}, start, stop)
-                running[kind] += [value for value in (line.at(index, to) for index in indices)
-                                  if value is not None]
+                # The first block and the last may each reach a running maximum where the
+                # inner blocks do not, or the reverse (full_offload moves the first block's
+                # input to the host before it, each later block's in it): then a part of its
+                # own for that kind.
+                first = start or _apart(blocks, position, 0, stop)
+                last = stop or _apart(blocks, position, -1, first)
+                for edge, own in ((0, first > start), (-1, last > stop)):
+                    if own:
+                        value = _line([row[edge][position] for row in blocks.values()],
+                                      depths, to)
+                        running[kind] += [] if value is None else [value]
+                line = _Blocks({depth: [block[position] for block in row[first:len(row) - last]]
+                                for depth, row in blocks.items()}, first, last)
+                running[kind] += [value for value in (
+                    line.at(index, to) for index in dict.fromkeys((first, 1, to - 2,
+                                                                   to - 1 - last)))
+                    if value is not None]
     return by_phase, running
+
+
+def _apart(blocks: dict[int, list], position: int, edge: int, other: int) -> int:
+    """1 where the block at `edge` (0: the first, -1: the last) reaches a running maximum of
+    `position`'s kind at some depth where the blocks between it and the other end's `other`
+    blocks do not, or does not where they do; else 0."""
+    at_edge = {row[edge][position] is None for row in blocks.values()}
+    inner = {block[position] is None for row in blocks.values()
+             for block in (row[1:len(row) - other] if edge == 0 else row[other:-1])}
+    return int(bool(inner) and at_edge != inner)
 
 
 def _where_at(trail: dict, phase: str, peak: int) -> tuple:

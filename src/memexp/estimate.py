@@ -164,8 +164,11 @@ class _Values(TorchDispatchMode):
         (`torch.rand`, or an in-place fill such as `bernoulli_(p)`, whatever the tensor it fills
         held), or what ops compute from such draws alone (`torch.rand([]) < p`). Dropout's
         output is not: it is made from the model's activations too."""
+        seeded = torch.Tag.nondeterministic_seeded in func.tags
+        if not seeded and not len(self.random):  # nothing drawn at random to compute from
+            return False
         inputs = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, FakeTensor)]
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if seeded:
             if func._schema.is_mutable and args:  # the tensor it fills: its values are replaced
                 inputs = [t for t in inputs if t is not args[0]]
             return all(t.untyped_storage() in self.random for t in inputs)
@@ -196,12 +199,12 @@ class _Values(TorchDispatchMode):
         as in the run, where a Hugging Face model reads them (Whisper's decoder makes its
         position ids so, and builds a full causal mask where it cannot read that they hold one
         sequence, not several packed)."""
-        leaves = arg_tree_leaves(*args, **kwargs)
         made = [t for t in arg_tree_leaves(out) if isinstance(t, torch.Tensor)]
         return (bool(made) and func.overloadpacket not in _UNDEFINED
-                and not any(isinstance(leaf, torch.Tensor) for leaf in leaves)
                 and all(t.device.type == "cpu" and not t.is_floating_point()
-                        and not t.is_complex() for t in made))
+                        and not t.is_complex() for t in made)
+                and not any(isinstance(leaf, torch.Tensor)
+                            for leaf in arg_tree_leaves(*args, **kwargs)))
 
     def make(self, batch: Callable[[], Batch]) -> Batch:
         """`batch()`, made for real: its factory ops too (a sample order, an index range)."""
@@ -473,7 +476,7 @@ def trace(cfg: DictConfig, kernels: str, device: Gpu | None = None,
     allocator = CachingAllocatorModel() if device is not None else None
     data = stand_in(cfg.data)
     rank.check_samples(data)
-    check_before_tracing(cfg, data)
+    check_before_tracing(cfg)
     if kernels == "cuda":
         torch.cuda.init()  # torch's per-device tables, filled from the device's answers
     fake = (_FakeCudaTensorMode if kernels == "cuda" else FakeTensorMode)(
@@ -566,15 +569,23 @@ def untraced_memory(traced_peak: int, allocator: CachingAllocatorModel, workspac
     }
 
 
-def check_before_tracing(cfg: DictConfig, data) -> None:
+def check_before_tracing(cfg: DictConfig) -> None:
     """What a real run would refuse at its first forward pass, from values that a trace cannot
     see: the batch's keys against forward's signature, every embedding lookup (token ids, the
-    position table), the targets against the model's classes. The model is built on the meta
-    device: nothing is allocated."""
+    position table), the targets against the model's classes, on the stand-in data's first
+    batch. The model is built on the meta device: nothing is allocated. What is checked is the
+    model, the loss and the data alone, each as configured: memexp plan traces many candidates
+    that share them (a fifth of an 8B Llama's trace at seq 8192 is this check), so a process
+    checks each set once (an error is raised again each time)."""
+    _checked(*(OmegaConf.to_yaml(cfg[group], resolve=True) for group in ("model", "loss", "data")))
+
+
+@functools.cache
+def _checked(model_config: str, loss_config: str, data_config: str) -> None:
     with torch.device("meta"):
-        model = build_model(cfg.model)
-    loss = as_loss(build(cfg.loss), model)
-    batch = data.first_batch()
+        model = build_model(OmegaConf.create(model_config))
+    loss = as_loss(build(OmegaConf.create(loss_config)), model)
+    batch = stand_in(OmegaConf.create(data_config)).first_batch()
     check_signature(model, batch, loss.passes_labels)
     dry_run(model, batch, loss)
 

@@ -75,7 +75,6 @@ from memexp.estimate import (
     Estimate,
     check_before_tracing,
     compose_config,
-    stand_in_data,
 )
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
@@ -262,7 +261,7 @@ def loss_options(fixed: list[str], loss: str, world_size: int = 1) -> list[str]:
         if world_size > 1 and target.applies_params:
             continue
         try:
-            check_before_tracing(cfg, build(stand_in_data(cfg.data)))
+            check_before_tracing(cfg)
         except ValueError:  # no head it can take, or a step after the head it cannot take
             continue
         options.append(option)

@@ -239,7 +239,10 @@ def _integer(tensor: Tensor) -> bool:
 class IntegerValues(TorchDispatchMode):
     """Floating-point tensors live on the meta device (shapes only); integer and boolean ones
     that can be computed from real values (token ids, positions from arange, masks) are computed
-    on the CPU, so that embedding lookups can be checked. An MoE router's choices are made on
+    on the CPU, so that embedding lookups can be checked. An op on real values whose result is
+    floating-point is not run on the CPU either (attention's additive mask from a real boolean
+    one: 512 MB of floats a block for 2 x 8192 x 8192, most of the check's time and memory at
+    long contexts): its result is made on the meta device. An MoE router's choices are made on
     the CPU as the estimate assumes them (memexp.estimate_moe), and its grouped matmul takes
     any float."""
 
@@ -253,6 +256,11 @@ class IntegerValues(TorchDispatchMode):
             args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
             return self.routing.choose(func, args, kwargs,
                                        SHAPES.get(func, func)(*args, **kwargs))
+        if not func._schema.is_mutable:  # an op that writes a real tensor runs on it
+            shaped = _on_meta(func, args, kwargs)
+            if shaped is not None and not all(_integer(t) for t in tree_flatten(shaped)[0]
+                                              if isinstance(t, Tensor)):
+                return shaped
         try:
             out = func(*args, **kwargs)
         except NotImplementedError:  # no CPU kernel for the dtype asked for the meta device
@@ -264,6 +272,16 @@ class IntegerValues(TorchDispatchMode):
                 and all(_integer(t) for t in tree_flatten(out)[0] if isinstance(t, Tensor))):
             return func(*args, **{**kwargs, "device": torch.device("cpu")})
         return out
+
+
+def _on_meta(func, args, kwargs):
+    """`func`'s result on the meta device (shapes and dtypes only), or None where it has no
+    meta kernel or cannot run there (a size read from values)."""
+    args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+    try:
+        return func(*args, **kwargs)
+    except Exception:  # run on the CPU instead, as before
+        return None
 
 
 def dry_run(model: nn.Module, batch: Batch, loss) -> None:
