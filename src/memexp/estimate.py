@@ -575,8 +575,7 @@ def check_before_tracing(cfg: DictConfig) -> None:
     position table), the targets against the model's classes, on the stand-in data's first
     batch. The model is built on the meta device: nothing is allocated. What is checked is the
     model, the loss and the data alone, each as configured: memexp plan traces many candidates
-    that share them (a fifth of an 8B Llama's trace at seq 8192 is this check), so a process
-    checks each set once (an error is raised again each time)."""
+    that share them, so a process checks each set once (an error is raised again each time)."""
     _checked(*(OmegaConf.to_yaml(cfg[group], resolve=True) for group in ("model", "loss", "data")))
 
 

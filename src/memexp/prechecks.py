@@ -241,7 +241,7 @@ class IntegerValues(TorchDispatchMode):
     that can be computed from real values (token ids, positions from arange, masks) are computed
     on the CPU, so that embedding lookups can be checked. An op on real values whose result is
     floating-point is not run on the CPU either (attention's additive mask from a real boolean
-    one: 512 MB of floats a block for 2 x 8192 x 8192, most of the check's time and memory at
+    one: 512 MiB of floats a block for 2 x 8192 x 8192, most of the check's time and memory at
     long contexts): its result is made on the meta device. An MoE router's choices are made on
     the CPU as the estimate assumes them (memexp.estimate_moe), and its grouped matmul takes
     any float."""
