@@ -16,6 +16,7 @@ from memexp.gpus import GPUS
 from memexp.loggers import NoLogger
 from memexp.memory.allocator import CachingAllocatorModel
 from memexp.plan import covered, describe, group_choices, plan, search_space
+from memexp.prechecks import IntegerValues
 from memexp.techniques.bn_mode import EfficientEvalBN, TrainBN
 from memexp.trainer import Trainer
 
@@ -131,6 +132,20 @@ def test_an_op_whose_output_depends_on_the_model_s_values_is_refused_where_it_ru
     assert "user_models.py, line " in err and " depends on values the estimate does not" in err
     if target == "user_models.Routed":
         assert ": routed[first] = self.layers[0](x[first])): the size of its output" in err
+
+def test_the_checks_before_tracing_compute_integers_for_real_and_floats_on_the_meta_device():
+    """The dry run before a trace (memexp.prechecks.IntegerValues) computes integers and
+    booleans from real values on the CPU, as embedding lookups are checked against them; a
+    float made from them (attention's additive mask from a boolean one, 2 x 8192 x 8192 floats
+    at seq 8192) is made on the meta device, not computed (it was, for every block)."""
+    with IntegerValues():
+        causal = torch.ones(4, 4, dtype=torch.bool).tril()
+        additive = torch.where(causal, 0.0, float("-inf"))
+        positions = torch.arange(4) + 1
+    assert not causal.is_meta and not positions.is_meta
+    assert positions.tolist() == [1, 2, 3, 4] and int(causal.sum()) == 10
+    assert additive.is_meta and additive.shape == (4, 4) and additive.dtype == torch.float32
+
 
 def test_a_billion_parameter_model_is_estimated_without_allocating_it():
     result = estimate(compose_config(["experiment=gpt_1b", "precision=bf16"]))
