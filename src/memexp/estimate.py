@@ -48,6 +48,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 from hydra import compose, initialize_config_dir
@@ -87,6 +88,8 @@ from memexp.result import CATEGORY_ORDER, mib
 from memexp.steptime import StepTime, StepTimer, step_time_lines
 from memexp.techniques import check_estimable
 from memexp.trainer import Trainer
+
+T = TypeVar("T")
 
 _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
 # factory ops whose values are undefined (the model's buffers are made by them: with_storage)
@@ -206,11 +209,12 @@ class _Values(TorchDispatchMode):
                 and not any(isinstance(leaf, torch.Tensor)
                             for leaf in arg_tree_leaves(*args, **kwargs)))
 
-    def make(self, batch: Callable[[], Batch]) -> Batch:
-        """`batch()`, made for real: its factory ops too (a sample order, an index range)."""
+    def make(self, made: Callable[[], T]) -> T:
+        """`made()` (a batch, or the iterator of a data set's batches), made for real: its
+        factory ops too (a sample order, an index range, a loader's seed)."""
         self.making_batches = True
         try:
-            return batch()
+            return made()
         finally:
             self.making_batches = False
 
@@ -239,11 +243,15 @@ class _RealBatches:
     def __getattr__(self, name: str):  # batch_size, unit, items_per_sample
         return getattr(self.data, name)
 
+    # The iterators are made for real too: a torch DataLoader's draws its base seed
+    # (`torch.empty((), dtype=torch.int64).random_().item()`) as it starts.
     def train_batches(self, start: int = 0, rank: int = 0, world_size: int = 1) -> _MadeForReal:
-        return _MadeForReal(self.data.train_batches(start, rank, world_size), self.values)
+        return _MadeForReal(self.values.make(
+            lambda: self.data.train_batches(start, rank, world_size)), self.values)
 
     def eval_batches(self, rank: int = 0, world_size: int = 1) -> _MadeForReal:
-        return _MadeForReal(self.data.eval_batches(rank, world_size), self.values)
+        return _MadeForReal(self.values.make(lambda: self.data.eval_batches(rank, world_size)),
+                            self.values)
 
     def first_batch(self) -> Batch:
         return self.values.make(self.data.first_batch)
