@@ -515,7 +515,7 @@ def _moments(trails: list[dict], depths: tuple[int, ...], to: int) -> tuple[dict
             inner = {n for row in counts.values() for n in row[start:len(row) - stop]}
             if len(inner) != 1:
                 raise NotAlike(f"{phase}: its blocks have different moments")
-            indices = [index for index in dict.fromkeys((start, 1, to - 2, to - 1 - stop))]
+            indices = _ends(start, stop, to)
             for ordinal in range(inner.pop()):
                 line = _Blocks({depth: [block[0][ordinal] for block in row[start:len(row) - stop]]
                                 for depth, row in blocks.items()}, start, stop)
@@ -540,11 +540,17 @@ def _moments(trails: list[dict], depths: tuple[int, ...], to: int) -> tuple[dict
                         running[kind] += [] if value is None else [value]
                 line = _Blocks({depth: [block[position] for block in row[first:len(row) - last]]
                                 for depth, row in blocks.items()}, first, last)
-                running[kind] += [value for value in (
-                    line.at(index, to) for index in dict.fromkeys((first, 1, to - 2,
-                                                                   to - 1 - last)))
-                    if value is not None]
+                running[kind] += [value for value in (line.at(index, to)
+                                                      for index in _ends(first, last, to))
+                                  if value is not None]
     return by_phase, running
+
+
+def _ends(start: int, stop: int, to: int) -> list[int]:
+    """The blocks of the model at depth `to` whose moments can be the largest of the blocks
+    between the parts of their own (`start` 1: the first is one; `stop` 1: the last): the first
+    and the last of that run, and the model's second and second to last."""
+    return list(dict.fromkeys((start, 1, to - 2, to - 1 - stop)))
 
 
 def _apart(blocks: dict[int, list], position: int, edge: int, other: int) -> int:
