@@ -290,6 +290,31 @@ def test_each_plan_is_its_command_s_full_estimate_and_a_group_over_by_its_state_
             assert figures(estimate(compose_config(command))) == figures(p.estimate)
 
 
+def test_a_candidate_traced_whole_stops_as_its_live_bytes_pass_the_budget():
+    """A candidate traced whole (ZeRO-1's: which rank holds the most state changes with the
+    depth) stops at the first moment its live bytes pass the budget, and is settled over with
+    those bytes: more than the budget, no more than its full estimate's peak. One that fits is
+    traced to its end."""
+    ranks = [*DECODER, *PINNED, "precision=fp32", "parallel=zero1", "trainer.nproc=2"]
+    cfgs = {option: compose_config([*ranks, f"checkpointing={option}"])
+            for option in ("none", "full")}
+    peaks = {option: estimate(cfg, world_size=2).memory["peak_bytes"]
+             for option, cfg in cfgs.items()}
+    limit = (peaks["none"] + peaks["full"]) // 2
+    assert peaks["full"] <= limit < peaks["none"]
+    with torch.device("meta"):
+        blocks = depth.repeats(build_model(cfgs["none"].model))
+    found = {}
+    settle.settle([settle.Candidate([option], cfg, ("zero1",)) for option, cfg in cfgs.items()],
+                  limit, "cpu", "h100", 2, blocks,
+                  lambda candidate, result: found.update({candidate.overrides[0]: result}))
+    assert found["full"].source == settle.TRACED_WHOLE
+    assert found["full"].estimate.memory["peak_bytes"] == peaks["full"]
+    stopped = found["none"]
+    assert stopped.estimate is None and stopped.source == settle.STOPPED
+    assert limit < stopped.bound <= peaks["none"]
+
+
 @pytest.mark.parametrize("headroom, limit", [("10%", 900), ("0.1", 900), ("100B", 900),
                                              (None, 1000)])
 def test_headroom_is_a_share_of_the_budget_or_a_size(headroom, limit):

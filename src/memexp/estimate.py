@@ -65,7 +65,6 @@ from torch._subclasses.fake_tensor import (
 )
 from torch.optim import optimizer as torch_optimizer
 from torch.utils import _foreach_utils
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import arg_tree_leaves, tree_map_only
 from torch.utils.flop_counter import flop_registry
 from torch.utils.weak import WeakIdKeyDictionary
@@ -83,6 +82,7 @@ from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
 from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
+from memexp.memory.tracker import DEVICE_OF, EagerMode
 from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.steptime import StepTime, StepTimer, step_time_lines
@@ -96,7 +96,7 @@ _SCALAR_READS = (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item
 _UNDEFINED = (torch.ops.aten.empty, torch.ops.aten.empty_strided)
 
 
-class _Values(TorchDispatchMode):
+class _Values(EagerMode):
     """Above FakeTensorMode: the batches are made for real, and every op on real tensors alone
     runs for real, so that what the batch's values decide goes as in the real run. A Hugging
     Face model skips an all-ones attention mask only where it can read it (it never reads a
@@ -128,6 +128,8 @@ class _Values(TorchDispatchMode):
         self.random = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_OF:  # a fake tensor's device: its value is known
+            return self.routing.choose(func, args, kwargs, func(*args))
         kwargs = kwargs or {}
         try:
             if self._on_real_data(args, kwargs):
@@ -331,7 +333,7 @@ def _foreach_for_fake_tensors() -> Iterator[None]:
             types.remove(FakeTensor)
 
 
-class _FlopsByPhase(TorchDispatchMode):
+class _FlopsByPhase(EagerMode):
     """FLOPs of matmuls and convolutions (torch's own formulas), by the meter's phase: backward
     includes what activation checkpointing recomputes. Also the ops each phase ran, with the
     dtype of their (first) output: which attention kernel, which optimizer ops, what autocast
@@ -345,9 +347,11 @@ class _FlopsByPhase(TorchDispatchMode):
         self.timer = timer
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_OF:  # a fake tensor's own question, no op of the run
+            return func(*args)
         kwargs = kwargs or {}
         formula = flop_registry.get(func._overloadpacket)
-        if formula is None and func is not torch.ops.prim.device.default:
+        if formula is None:
             # A composite op that reaches dispatch whole (aten.linear under inference_mode):
             # count the ops it is made of. Their tensors stay below the memory tracker.
             with self:

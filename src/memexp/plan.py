@@ -605,8 +605,7 @@ def sources(plans: list[Plan]) -> list[str]:
         if source == TRACED_WHOLE:
             lines.append(f"  {which}: traced whole")
         elif plans[numbers[0] - 1].estimate is None:
-            lines.append(f"  {which}: over the budget with {source} (held at a moment of "
-                         "its first optimizer step), not traced further")
+            lines.append(f"  {which}: over the budget with {source}, not traced further")
         else:
             lines.append(f"  {which}: extrapolated from traces of {source} (memexp.depth); "
                          "each equals the full trace to the byte")

@@ -13,12 +13,14 @@ forked workers (memexp.forked) where cores are free, each reported as it is sett
   traced whole. Where one candidate's copies cannot, the others of its group with its
   recomputation are traced whole without tracing their copies first (and every other of its
   group, once a second recomputation's cannot either).
+- A CPU estimate traced whole stops the moment its live bytes pass the budget: the candidate
+  is over, with those bytes as its bound (`STOPPED`), and is not traced to its end.
 - The order: each group's most recomputed or offloaded candidate first (the likeliest to fit;
   where it does, its group's bound could spare nothing, and is not traced; where it does not,
   the bound is traced next), then the rest, those traced whole first.
 
-Either way its estimate is the full trace's, to the byte: whether an estimate came from a fresh
-trace or from its copies' is invisible to its reader (tests/test_plan.py).
+Either way an estimate it gives is the full trace's, to the byte: whether an estimate came from
+a fresh trace or from its copies' is invisible to its reader (tests/test_plan.py).
 """
 
 from __future__ import annotations
@@ -36,7 +38,9 @@ from memexp.forked import Failed, Pool, workers_for
 from memexp.memory.tracker import followed, tensor_storages
 
 TRACED_WHOLE = "traced whole"  # a Settled's source where nothing was cut or bounded
-BOUNDED = "its parameters, gradients and optimizer state alone"  # a Settled's source where bounded
+# A Settled's source where it has a bound and no estimate: what held it over the budget
+BOUNDED = "its parameters, gradients and optimizer state alone"
+STOPPED = "the bytes live at a moment of its own trace"
 # The roles the meter gives storages (memexp.memory.meter): the same in every candidate of a group
 _ROLES = ("params", "frozen", "grads", "optimizer")
 # The namespaces of torch.distributed's collectives
@@ -112,6 +116,38 @@ class _FirstStep:
                    and (record.role in _ROLES or record in self.reduced))
 
 
+class _Over(BaseException):
+    """A trace's live bytes went past the budget: what the trace of _traced stops at."""
+
+    def __init__(self, held: int):
+        super().__init__(held)
+        self.held = held
+
+
+class _Budget:
+    """A follower of the tracker that stops the trace the moment its live device bytes pass
+    `limit`: the candidate's peak is at least those bytes, so it cannot fit."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def op(self, tracker, func, args, kwargs) -> None:
+        pass
+
+    def added(self, tracker, record, nbytes: int) -> None:
+        pass
+
+    def added_grad(self, tracker, nbytes: int) -> None:
+        pass
+
+    def entering(self, tracker, phase: str) -> None:
+        pass
+
+    def candidate(self, tracker) -> None:
+        if tracker.current > self.limit:
+            raise _Over(tracker.current)
+
+
 def group_bound(cfg: DictConfig, world_size: int | None = None) -> int:
     """Bytes that every candidate of `cfg`'s group (what is computed, and the parallel option:
     Candidate.group) holds at a moment of its first optimizer step, on its traced rank: its
@@ -161,7 +197,7 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
             copies.pop(number, None)
             pool.drop(lambda key: key[0] == "shallow" and key[1] == number)
             pool.submit(("whole", number), _traced, plain[number], target, gpu_key,
-                        world_size, first=first)
+                        world_size, limit if target == "cpu" else None, first=first)
 
         def not_alike(number: int, why: str) -> None:
             """Its copies cannot give its figures (`why`): it is traced whole. So, without
@@ -181,8 +217,8 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
             state[number] = None
             pool.drop(lambda key: key[0] != "bound" and key[1] == number)
             group = candidates[number].group
-            if (number == groups[group][-1] and target == "cpu" and result.estimate is not None
-                    and result.estimate.memory["peak_bytes"] > limit):
+            if (number == groups[group][-1] and target == "cpu" and (
+                    result.estimate is None or result.estimate.memory["peak_bytes"] > limit)):
                 # its group's likeliest to fit is over: its bound may spare every other's trace
                 pool.submit(("bound", group), _held, plain[groups[group][0]], world_size,
                             first=True)
@@ -217,7 +253,8 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
             if kind == "whole":
                 if isinstance(result, Failed):
                     raise result.error
-                report(which, Settled(result, TRACED_WHOLE, why=reasons.get(which, "")))
+                report(which, Settled(None, STOPPED, result) if isinstance(result, int) else
+                       Settled(result, TRACED_WHOLE, why=reasons.get(which, "")))
             elif isinstance(result, Failed):
                 not_alike(which, f"a copy failed: {result.error}")
             elif isinstance(result[1], str):
@@ -242,8 +279,18 @@ def _held(plain: dict, world_size: int | None) -> int:
     return group_bound(OmegaConf.create(plain), world_size)
 
 
-def _traced(plain: dict, target: str, gpu_key: str, world_size: int | None) -> Estimate:
-    return estimate(OmegaConf.create(plain), target, gpu_key, world_size)
+def _traced(plain: dict, target: str, gpu_key: str, world_size: int | None,
+            limit: int | None) -> Estimate | int:
+    """The estimate of `plain`'s run; with a `limit` (a CPU estimate's budget), the live bytes
+    at the first moment they pass it instead, where they do: the trace stops there."""
+    cfg = OmegaConf.create(plain)
+    if limit is None:
+        return estimate(cfg, target, gpu_key, world_size)
+    try:
+        with followed(_Budget(limit)):
+            return estimate(cfg, target, gpu_key, world_size)
+    except _Over as over:
+        return over.held
 
 
 def _shallow(plain: dict, keep: int, world_size: int | None) -> tuple:

@@ -45,6 +45,9 @@ _recompute_depth = 0
 # weight cast to another dtype there (_cast_of_weights).
 _loss_depth = 0
 _TO_COPY = torch.ops.aten._to_copy.default
+# A fake tensor's device, asked of every mode (thousands of times a step, by autograd's engine
+# and F.linear): no storage is made or read.
+DEVICE_OF = torch.ops.prim.device.default
 # What follows the counts from outside while they change (memexp.depth labels a trace's events by
 # the block that made them): told of each op before it runs, each count that changes, each
 # candidate for a phase's peak and each phase entered. None when nothing follows.
@@ -214,7 +217,17 @@ def _resize_reported(storage: torch.UntypedStorage, size: int):
     return resized
 
 
-class LiveStorageTracker(TorchDispatchMode):
+class EagerMode(TorchDispatchMode):
+    """A dispatch mode whose ops run eagerly: torch wraps a mode's __torch_dispatch__ in a
+    dynamo guard, microseconds per op and mode. The meter and the estimate run everything
+    under them eagerly (set_stance("force_eager")): nothing compiles."""
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False
+
+
+class LiveStorageTracker(EagerMode):
     """Counts live device bytes after every op and records each phase's peak with its breakdown.
 
     `roles` maps id(storage) to a category for storages whose role is known from the outside
@@ -278,13 +291,9 @@ class LiveStorageTracker(TorchDispatchMode):
         self._changed: dict[_Storage, tuple[int, str | None]] = {}
 
     # -- recording ---------------------------------------------------------------------------
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in a dynamo guard, a microsecond per op. The
-        # meter runs everything under it eagerly (set_stance("force_eager")): nothing compiles.
-        return False
-
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is DEVICE_OF:
+            return func(*args)
         if _loss_depth and func is _TO_COPY and self._holds_weights(args[0]):
             return self._cast_of_weights(func, types, args, kwargs)
         if _follower is not None:
