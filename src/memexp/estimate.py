@@ -131,18 +131,19 @@ class _Values(EagerMode):
         if func is DEVICE_OF:  # a fake tensor's device: its value is known
             return self.routing.choose(func, args, kwargs, func(*args))
         kwargs = kwargs or {}
+        leaves = arg_tree_leaves(*args, **kwargs)
         try:
-            if self._on_real_data(args, kwargs):
+            if self._on_real_data(leaves):
                 with unset_fake_temporarily():
                     out = func(*args, **kwargs)
                 self.routing.follow(func, args, kwargs, out)
                 return out
             out = self.routing.choose(func, args, kwargs,
                                       SHAPES.get(func, func)(*args, **kwargs))
-            if self._integers_made_on_host(func, args, kwargs, out):
+            if self._integers_made_on_host(func, leaves, out):
                 with unset_fake_temporarily():
                     return func(*args, **kwargs)
-            if self._drawn_at_random(func, args, kwargs):
+            if self._drawn_at_random(func, args, leaves):
                 for made in arg_tree_leaves(out):
                     if isinstance(made, FakeTensor):
                         self.random[made.untyped_storage()] = True
@@ -154,8 +155,7 @@ class _Values(EagerMode):
                 raise ValueError(random_branch(error.func)) from error
             return True if args[0].dtype == torch.bool else 0
         except DynamicOutputShapeException as error:
-            if all(leaf.is_floating_point() for leaf in arg_tree_leaves(*args, **kwargs)
-                   if isinstance(leaf, FakeTensor)):
+            if all(leaf.is_floating_point() for leaf in leaves if isinstance(leaf, FakeTensor)):
                 return self._on_stand_ins(func, args, kwargs)
             raise ValueError(value_dependent(error.func, "the size of its output")) from error
         finally:
@@ -164,7 +164,7 @@ class _Values(EagerMode):
             # The memo only matters within one op, so it is emptied after every op.
             self.fake.fake_tensor_converter.meta_converter.tensor_memo.clear()
 
-    def _drawn_at_random(self, func, args, kwargs) -> bool:
+    def _drawn_at_random(self, func, args, leaves: list) -> bool:
         """Whether `func`'s output is a value drawn at random: a seeded random op's fresh draw
         (`torch.rand`, or an in-place fill such as `bernoulli_(p)`, whatever the tensor it fills
         held), or what ops compute from such draws alone (`torch.rand([]) < p`). Dropout's
@@ -172,15 +172,14 @@ class _Values(EagerMode):
         seeded = torch.Tag.nondeterministic_seeded in func.tags
         if not seeded and not len(self.random):  # nothing drawn at random to compute from
             return False
-        inputs = [t for t in arg_tree_leaves(*args, **kwargs) if isinstance(t, FakeTensor)]
+        inputs = [t for t in leaves if isinstance(t, FakeTensor)]
         if seeded:
             if func._schema.is_mutable and args:  # the tensor it fills: its values are replaced
                 inputs = [t for t in inputs if t is not args[0]]
             return all(t.untyped_storage() in self.random for t in inputs)
         return bool(inputs) and all(t.untyped_storage() in self.random for t in inputs)
 
-    def _on_real_data(self, args, kwargs) -> bool:
-        leaves = arg_tree_leaves(*args, **kwargs)
+    def _on_real_data(self, leaves: list) -> bool:
         if any(isinstance(leaf, FakeTensor)
                or isinstance(leaf, torch.device) and leaf.type != "cpu"  # a copy to the GPU
                for leaf in leaves):
@@ -199,17 +198,17 @@ class _Values(EagerMode):
         return tree_map_only(torch.Tensor, self.fake.from_tensor, out)
 
     @staticmethod
-    def _integers_made_on_host(func, args, kwargs, out) -> bool:
+    def _integers_made_on_host(func, leaves: list, out) -> bool:
         """A factory op's integers on the host (positions from `torch.arange`): made for real,
         as in the run, where a Hugging Face model reads them (Whisper's decoder makes its
         position ids so, and builds a full causal mask where it cannot read that they hold one
         sequence, not several packed)."""
+        if any(isinstance(leaf, torch.Tensor) for leaf in leaves):  # not a factory op
+            return False
         made = [t for t in arg_tree_leaves(out) if isinstance(t, torch.Tensor)]
         return (bool(made) and func.overloadpacket not in _UNDEFINED
                 and all(t.device.type == "cpu" and not t.is_floating_point()
-                        and not t.is_complex() for t in made)
-                and not any(isinstance(leaf, torch.Tensor)
-                            for leaf in arg_tree_leaves(*args, **kwargs)))
+                        and not t.is_complex() for t in made))
 
     def make(self, made: Callable[[], T]) -> T:
         """`made()` (a batch, or the iterator of a data set's batches), made for real: its
@@ -350,22 +349,31 @@ class _FlopsByPhase(EagerMode):
         if func is DEVICE_OF:  # a fake tensor's own question, no op of the run
             return func(*args)
         kwargs = kwargs or {}
-        formula = flop_registry.get(func._overloadpacket)
-        if formula is None:
+        formula, name, composite = _op_facts(func)
+        if composite:
             # A composite op that reaches dispatch whole (aten.linear under inference_mode):
             # count the ops it is made of. Their tensors stay below the memory tracker.
             with self:
-                out = func.decompose(*args, **kwargs)
-            if out is not NotImplemented:
-                return out
+                return func.decompose(*args, **kwargs)
         out = func(*args, **kwargs)
         phase = self.phase()
         flops = 0 if formula is None else formula(*args, **kwargs, out_val=out)
         self.by_phase[phase] += flops
-        self.ops[phase][str(func._overloadpacket)].add(_first_dtype(out))
+        self.ops[phase][name].add(_first_dtype(out))
         if self.timer is not None:
             self.timer.record(func, args, kwargs, out, flops, phase)
         return out
+
+
+@functools.cache
+def _op_facts(func) -> tuple[Callable | None, str, bool]:
+    """`func`'s FLOP formula (None: it counts none), its name, and whether it is a composite
+    op without one (made of other ops: CompositeImplicitAutograd), looked up once."""
+    formula = flop_registry.get(func._overloadpacket)
+    key = torch._C.DispatchKey.CompositeImplicitAutograd
+    composite = formula is None and (
+        key in func.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), key))
+    return formula, str(func._overloadpacket), composite
 
 
 def _first_dtype(out) -> str:
