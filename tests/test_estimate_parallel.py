@@ -15,9 +15,11 @@ import torch
 import torch.distributed as dist
 
 from memexp import cli
+from memexp.build import build_model
 from memexp.estimate import compose_config, describe, estimate
 from memexp.estimate_parallel import MOST_RANKS, RANK_BYTES, check_world_size
 from memexp.gpus import gpu
+from memexp.models.blocks import AUTO, resolve_blocks
 
 from conftest import CPU_SMALL, job, needs_cuda_build
 
@@ -39,6 +41,17 @@ def real_ranks(tmp_path: Path, *overrides: str) -> list[dict]:
     return done["memory"]["per_rank"]
 
 
+def largest_unit_bytes(cfg) -> int:
+    """The fp32 bytes of the largest of fully_shard's units (each block, and the model's
+    other parameters): a unit's unsharded gradients, which its reduce-scatter reads."""
+    with torch.device("meta"):
+        model = build_model(cfg.model)
+    blocks = resolve_blocks(model, [AUTO], "parallel.blocks").modules
+    inside = {id(p) for block in blocks for p in block.parameters()}
+    rest = sum(p.numel() for p in model.parameters() if id(p) not in inside)
+    return 4 * max([rest, *(sum(p.numel() for p in block.parameters()) for block in blocks)])
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("options", [
     ("parallel=ddp",),
@@ -53,15 +66,24 @@ def test_each_rank_s_peak_is_estimated_within_2_percent_of_real_ranks(tmp_path, 
     assert (result.rank, result.world_size) == (0, 2)
     assert not dist.is_initialized()  # the fake group is gone with the estimate
     real = ranks[0]
-    assert result.memory["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.02)
+    if "parallel.cpu_offload=true" in options:
+        # gloo's worker thread holds a reduce-scatter's input (a unit's unsharded fp32
+        # gradients) until it lets go of the finished work, after wait() has returned: where
+        # the rank's peak comes first, that unit's bytes are in it (seen: 1,517,960 and
+        # 1,450,504 B against 1,318,024, a block's 199,936 B freed on a thread of gloo's in
+        # backward). The trace's collectives end at once, as the ideal run's.
+        late = largest_unit_bytes(compose_config(list(overrides)))
+        assert 0.98 * result.memory["peak_bytes"] <= real["peak_bytes"] <= (
+            1.02 * result.memory["peak_bytes"] + late)
+    else:
+        assert result.memory["peak_bytes"] == pytest.approx(real["peak_bytes"], rel=0.02)
     assert result.memory["peak_phase"] == real["peak_phase"]
     assert result.memory["offloaded_peak_bytes"] == pytest.approx(
         real["offloaded_peak_bytes"], rel=0.02)
     if "parallel.cpu_offload=true" not in options:
         assert max(r["peak_bytes"] for r in ranks) == pytest.approx(real["peak_bytes"], rel=0.02)
-    # With the gradients offloaded, which rank peaks highest depends on timing: at load 10-30,
-    # rank 1 once measured 1,517,960 B against rank 0's 1,318,024 (and equal in other runs):
-    # the ranks' host copies and gloo's reduce-scatter overlap as the processes are scheduled.
+    # With the gradients offloaded, whether a rank's peak holds a unit's reduce-scatter input
+    # depends on when gloo's thread lets go of it (above): the ranks' peaks are not compared.
 
 
 @pytest.mark.slow
