@@ -44,7 +44,7 @@ from torch.utils._pytree import tree_leaves
 from memexp import registry
 from memexp.build import build_model
 from memexp.estimate import Estimate, estimate
-from memexp.memory.tracker import ACTIVATION_PHASES, IDLE, followed, tensor_storages
+from memexp.memory.tracker import ACTIVATION_PHASES, IDLE, Follower, followed, tensor_storages
 from memexp.models.blocks import AUTO, resolve_blocks
 from memexp.steptime import extrapolation_doubt
 
@@ -207,7 +207,7 @@ _MODES = {"forward": "hooks", "eval": "hooks", "backward": "nodes", "optimizer":
 _PENDING = "pending"  # the label of an op whose block the next op's tells
 
 
-class Trail:
+class Trail(Follower):
     """One trace's moments, in order, by phase entered and by block (see the module's doc):
     the tracker tells it of each op, each count that grows and each candidate for a peak."""
 

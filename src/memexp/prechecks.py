@@ -253,7 +253,7 @@ class IntegerValues(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if any(isinstance(t, Tensor) and t.is_meta for t in tree_flatten((args, kwargs))[0]):
-            args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+            args, kwargs = _to_meta(args, kwargs)
             return self.routing.choose(func, args, kwargs,
                                        SHAPES.get(func, func)(*args, **kwargs))
         if not func._schema.is_mutable:  # an op that writes a real tensor runs on it
@@ -264,7 +264,7 @@ class IntegerValues(TorchDispatchMode):
         try:
             out = func(*args, **kwargs)
         except NotImplementedError:  # no CPU kernel for the dtype asked for the meta device
-            args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+            args, kwargs = _to_meta(args, kwargs)
             return func(*args, **kwargs)
         # Integers made for the meta device (torch.arange(n, device=embeddings.device)) are
         # made for real instead: positions are what position tables are checked against.
@@ -274,10 +274,15 @@ class IntegerValues(TorchDispatchMode):
         return out
 
 
+def _to_meta(args, kwargs) -> tuple:
+    """`args` and `kwargs` with their tensors on the meta device."""
+    return tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+
+
 def _on_meta(func, args, kwargs):
     """`func`'s result on the meta device (shapes and dtypes only), or None where it has no
     meta kernel or cannot run there (a size read from values)."""
-    args, kwargs = tree_map_only(Tensor, lambda t: t.to("meta"), (args, kwargs))
+    args, kwargs = _to_meta(args, kwargs)
     try:
         return func(*args, **kwargs)
     except Exception:  # run on the CPU instead, as before

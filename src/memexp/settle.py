@@ -35,7 +35,7 @@ from torch.utils._pytree import tree_leaves
 from memexp import depth
 from memexp.estimate import Estimate, estimate
 from memexp.forked import Failed, Pool, workers_for
-from memexp.memory.tracker import followed, tensor_storages
+from memexp.memory.tracker import Follower, followed, tensor_storages
 
 TRACED_WHOLE = "traced whole"  # a Settled's source where nothing was cut or bounded
 # A Settled's source where it has a bound and no estimate: what held it over the budget
@@ -73,7 +73,7 @@ class _Stepped(BaseException):
     """The first optimizer step is done: what the trace of group_bound waited for."""
 
 
-class _FirstStep:
+class _FirstStep(Follower):
     """A follower of the tracker (memexp.memory.tracker.followed) that stops the trace as its
     first optimizer step ends, with the most bytes that every candidate of its group holds at
     a moment of that step (`held`)."""
@@ -88,15 +88,6 @@ class _FirstStep:
                                 if isinstance(tensor, torch.Tensor)
                                 for storage in tensor_storages(tensor)
                                 if (record := tracker._live.get(id(storage))) is not None)
-
-    def added(self, tracker, record, nbytes: int) -> None:
-        pass
-
-    def added_grad(self, tracker, nbytes: int) -> None:
-        pass
-
-    def candidate(self, tracker) -> None:
-        pass
 
     def entering(self, tracker, phase: str) -> None:
         # the trainer's optimizer phase (memexp.trainer): entered with every gradient made
@@ -124,24 +115,12 @@ class _Over(BaseException):
         self.held = held
 
 
-class _Budget:
+class _Budget(Follower):
     """A follower of the tracker that stops the trace the moment its live device bytes pass
     `limit`: the candidate's peak is at least those bytes, so it cannot fit."""
 
     def __init__(self, limit: int):
         self.limit = limit
-
-    def op(self, tracker, func, args, kwargs) -> None:
-        pass
-
-    def added(self, tracker, record, nbytes: int) -> None:
-        pass
-
-    def added_grad(self, tracker, nbytes: int) -> None:
-        pass
-
-    def entering(self, tracker, phase: str) -> None:
-        pass
 
     def candidate(self, tracker) -> None:
         if tracker.current > self.limit:

@@ -75,8 +75,28 @@ def host_resident(device_stays: bool = False):
         _device_stays_depth -= device_stays
 
 
+class Follower:
+    """What a follower of the trackers is told (see _follower); each does nothing here, and a
+    follower states only what it watches."""
+
+    def op(self, tracker, func, args, kwargs) -> None:
+        """`func` is about to run on `args`."""
+
+    def added(self, tracker, record, nbytes: int) -> None:
+        """`record`'s storage grew by `nbytes` (a new one, or a negative count: freed)."""
+
+    def added_grad(self, tracker, nbytes: int) -> None:
+        """The gradients' count changed by `nbytes`."""
+
+    def candidate(self, tracker) -> None:
+        """A candidate for the phase's peak: the live bytes grew, or a phase began."""
+
+    def entering(self, tracker, phase: str) -> None:
+        """The tracker is about to enter `phase`."""
+
+
 @contextmanager
-def followed(follower):
+def followed(follower: Follower):
     """Let `follower` see the counts of every tracker as they change (see _follower)."""
     global _follower
     outer, _follower = _follower, follower
