@@ -32,6 +32,7 @@ from typing import Protocol
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from memexp.extras import install_hint
 from memexp.models.blocks import (
@@ -385,11 +386,11 @@ class QLoRA(LoRA):
                 compute_dtype: torch.dtype) -> dict[str, nn.Module]:
         self.quantized_by = self.backend_for(device)
         bitsandbytes = self.quantized_by == "bitsandbytes"
-        prepared = {}
+        prepared, layouts = {}, {}
         for name, module in targets.items():
             linear = as_linear(module)
             prepared[name] = (quantize_bitsandbytes(name, linear, device, compute_dtype)
-                              if bitsandbytes else quantize_torchao(name, linear))
+                              if bitsandbytes else quantize_torchao(name, linear, layouts))
             if prepared[name] is not module:
                 replace_module(model, name, prepared[name])
         self._quantized = list(prepared.values())
@@ -436,8 +437,15 @@ def as_linear(module: nn.Module) -> nn.Linear:
     return linear
 
 
-def quantize_torchao(name: str, linear: nn.Linear) -> nn.Linear:
-    """The layer's weight as torchao's NF4Tensor, frozen (F.linear dequantises it)."""
+def quantize_torchao(name: str, linear: nn.Linear, layouts: dict) -> nn.Linear:
+    """The layer's weight as torchao's NF4Tensor, frozen (F.linear dequantises it).
+
+    In an estimate's trace (memexp.estimate) the weight is a fake tensor: its values are
+    unknown, so every weight of one shape and dtype quantises to the same tensors. The first of
+    each is quantised (some 300 ops under the trace: at 32 blocks, 224 weights took a tenth of
+    an 8B QLoRA's), and `layouts` keeps it; each weight gets new fake tensors of its layout
+    (_like), as many bytes as quantising gives. Nothing counts memory yet: the meter starts
+    after the adapter (memexp.trainer)."""
     from torchao.quantization import to_nf4
 
     weight = linear.weight.detach()
@@ -449,8 +457,40 @@ def quantize_torchao(name: str, linear: nn.Linear) -> nn.Linear:
     # Double quantisation takes the scales in blocks that divide their number: 256, as in the
     # paper, where the layer's size allows it, else the largest divisor below.
     scalers = max(size for size in range(1, NF4_SCALER_BLOCK + 1) if blocks % size == 0)
-    linear.weight = nn.Parameter(to_nf4(weight, NF4_BLOCK, scalers), requires_grad=False)
+    if not isinstance(weight, FakeTensor):
+        quantized = to_nf4(weight, NF4_BLOCK, scalers)
+    else:
+        key = (weight.shape, weight.dtype, weight.device, scalers)
+        if key not in layouts:
+            layouts[key] = to_nf4(weight, NF4_BLOCK, scalers)
+        quantized = _like(layouts[key])
+    linear.weight = nn.Parameter(quantized, requires_grad=False)
     return linear
+
+
+def _like(quantized: torch.Tensor) -> torch.Tensor:
+    """A new NF4Tensor of `quantized`'s layout, its inner tensors fake: each on new storage of
+    its storage's size, at its offset and strides (a single scale block's factor is a strided
+    view of a larger one), none shared (quantising shares none: checked). NF4's code table,
+    made from Python values, is real in `quantized` (memexp.estimate runs such ops for real);
+    fake here, its reads in every dequantisation stay on fake tensors instead of turning it
+    into one each time: the same bytes, the same ops."""
+    names, context = quantized.__tensor_flatten__()
+    held = {name: getattr(quantized, name) for name in names}
+    if len({tensor.untyped_storage()._cdata for tensor in held.values()}) < len(held):
+        raise RuntimeError("torchao's NF4Tensor shares a storage between its inner tensors: "
+                           "memexp's copy of a quantised layout would not")
+    inner = {}
+    for name, tensor in held.items():
+        elements, spare = divmod(tensor.untyped_storage().nbytes(), tensor.element_size())
+        if spare:
+            raise RuntimeError(f"torchao's NF4Tensor.{name} is not a whole number of "
+                               f"{tensor.dtype} elements' storage")
+        inner[name] = torch.empty(elements, dtype=tensor.dtype, device=tensor.device
+                                  ).as_strided(tensor.shape, tensor.stride(),
+                                               tensor.storage_offset())
+    return type(quantized).__tensor_unflatten__(inner, context, quantized.shape,
+                                                quantized.stride())
 
 
 def quantize_bitsandbytes(name: str, linear: nn.Linear, device: torch.device,
@@ -462,7 +502,6 @@ def quantize_bitsandbytes(name: str, linear: nn.Linear, device: torch.device,
     layer under bf16 autocast cast its bf16 input to fp32, multiplied in fp32 and dequantised
     its weight to fp32 in backward."""
     import bitsandbytes as bnb
-    from torch._subclasses.fake_tensor import FakeTensor
 
     weight = linear.weight.detach().to(compute_dtype)
     # on the meta device and outside any dispatch mode: plain tensors that hold nothing
