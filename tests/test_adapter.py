@@ -99,6 +99,35 @@ def test_qlora_stores_the_projections_in_nf4_within_its_rounding():
     assert step["frozen"] == nbytes(frozen)
 
 
+@pytest.mark.parametrize("shape", [(128, 128), (256, 512)], ids=["one scale block", "eight"])
+def test_a_traced_qlora_gives_each_weight_of_a_shape_the_layout_quantising_it_gives(shape):
+    """Under an estimate's fake tensors each weight of one shape after the first gets the
+    first's layout (memexp.techniques.adapter._like): every inner tensor as quantising that
+    weight itself makes it (shape, strides, offset, dtype, its storage's size: a single scale
+    block's factor is a strided view of a larger storage), on storage of its own."""
+    from torchao.quantization import to_nf4
+
+    from memexp.estimate import _FakeMode
+    from memexp.techniques.adapter import quantize_torchao
+
+    def layout(tensor) -> list[tuple]:
+        inner = [getattr(tensor, name) for name in tensor.__tensor_flatten__()[0]]
+        return [(t.shape, t.stride(), t.storage_offset(), t.dtype, t.untyped_storage().nbytes())
+                for t in inner]
+
+    layouts = {}
+    with _FakeMode():
+        linears = [torch.nn.Linear(shape[1], shape[0], bias=False) for _ in range(3)]
+        quantized = [quantize_torchao(f"layer{n}", linear, layouts).weight
+                     for n, linear in enumerate(linears)]
+        scalers = min(256, shape[0] * shape[1] // NF4_BLOCK)
+        own = to_nf4(torch.empty(shape), NF4_BLOCK, scalers)
+    assert len(layouts) == 1
+    assert all(layout(weight) == layout(own) for weight in quantized)
+    storages = [storage for weight in quantized for storage in tensor_storages(weight)]
+    assert len({storage._cdata for storage in storages}) == len(storages) == 3 * 5
+
+
 @pytest.mark.parametrize("adapter, precision", [("lora", "bf16_pure"), ("qlora", "bf16")])
 def test_the_adapters_compose_with_checkpointing_precision_and_accumulation(adapter, precision):
     """Checkpointing recomputes the same losses; accumulation over half-batches gives the whole

@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
 
 from memexp import cli, registry
 from memexp import estimate as estimate_module
@@ -159,6 +160,30 @@ def test_the_checks_before_tracing_compute_integers_for_real_and_floats_on_the_m
     assert not causal.is_meta and not positions.is_meta
     assert positions.tolist() == [1, 2, 3, 4] and int(causal.sum()) == 10
     assert additive.is_meta and additive.shape == (4, 4) and additive.dtype == torch.float32
+
+
+def test_the_trace_s_quicker_cache_keys_tell_apart_what_torch_s_do():
+    """memexp's fake mode keys a fake tensor by its metadata in one tuple (the trace's cache is
+    torch's): the same ops on tensors of one shape that differ in one field each where the
+    outputs differ by it (strides, storage offset, a conjugate or a negative view), each after
+    the first is cached, give the outputs plain FakeTensorMode gives, field by field. Any of
+    those four left out of the key gives the first one's cached output for another (tried)."""
+    assert _fake_outputs(estimate_module._FakeMode()) == _fake_outputs(FakeTensorMode())
+
+
+def _fake_outputs(mode) -> list[tuple]:
+    made = []
+    with mode:
+        base = torch.empty(8, 12, dtype=torch.complex64)
+        longer = torch.empty(9, 12, dtype=torch.complex64)
+        inputs = [base, base.t().contiguous().t(), longer[1:], longer[:-1], base.conj(),
+                  torch._neg_view(base)]
+        for tensor in inputs:
+            for out in (tensor.clone(), tensor.reshape(-1), tensor.resolve_conj(),
+                        tensor.resolve_neg()):
+                made.append((out.shape, out.stride(), out.storage_offset(), out.dtype,
+                             out.untyped_storage().nbytes(), out.is_conj(), out.is_neg()))
+    return made
 
 
 def test_a_billion_parameter_model_is_estimated_without_allocating_it():

@@ -82,7 +82,7 @@ from memexp.gpus import Gpu, gpu
 from memexp.loggers import NoLogger
 from memexp.loss import as_loss
 from memexp.memory.allocator import CachingAllocatorModel
-from memexp.memory.tracker import DEVICE_OF, EagerMode
+from memexp.memory.tracker import DEVICE_OF, EagerMode, device_of
 from memexp.prechecks import check_signature, dry_run
 from memexp.result import CATEGORY_ORDER, mib
 from memexp.steptime import StepTime, StepTimer, step_time_lines
@@ -128,8 +128,8 @@ class _Values(EagerMode):
         self.random = WeakIdKeyDictionary()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is DEVICE_OF:  # a fake tensor's device: its value is known
-            return self.routing.choose(func, args, kwargs, func(*args))
+        if func is DEVICE_OF:  # a fake tensor's device (no router's choice is a fake tensor)
+            return device_of(args)
         kwargs = kwargs or {}
         leaves = arg_tree_leaves(*args, **kwargs)
         try:
@@ -384,7 +384,7 @@ class _FlopsByPhase(EagerMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_OF:  # a fake tensor's own question, no op of the run
-            return func(*args)
+            return device_of(args)
         kwargs = kwargs or {}
         formula, name, composite = _op_facts(func)
         if composite:

@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass_type
 from torch.utils._pytree import tree_flatten
 
@@ -48,6 +49,16 @@ _TO_COPY = torch.ops.aten._to_copy.default
 # A fake tensor's device, asked of every mode (thousands of times a step, by autograd's engine
 # and F.linear): no storage is made or read.
 DEVICE_OF = torch.ops.prim.device.default
+
+
+def device_of(args) -> torch.device:
+    """DEVICE_OF's answer: a fake tensor's as FakeTensor itself gives it (the modes below, a
+    Python call each, need not be asked), anything else's from the next mode."""
+    tensor = args[0]
+    if type(tensor) is FakeTensor:
+        return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
+    return DEVICE_OF(*args)
+
 # What follows the counts from outside while they change (memexp.depth labels a trace's events by
 # the block that made them): told of each op before it runs, each count that changes, each
 # candidate for a phase's peak and each phase entered. None when nothing follows.
@@ -313,7 +324,7 @@ class LiveStorageTracker(EagerMode):
     # -- recording ---------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is DEVICE_OF:
-            return func(*args)
+            return device_of(args)
         if _loss_depth and func is _TO_COPY and self._holds_weights(args[0]):
             return self._cast_of_weights(func, types, args, kwargs)
         if _follower is not None:
