@@ -321,7 +321,7 @@ class _FakeMode(FakeTensorMode):
         result.append(len(args))
         for arg in args:
             if (type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None
-                    and arg.layout == torch.strided and not arg._has_symbolic_sizes_strides):
+                    and arg.layout is torch.strided and not arg._has_symbolic_sizes_strides):
                 result.append((arg.dtype, arg.shape, arg.stride(), arg.device,
                                arg.storage_offset(), arg.untyped_storage().nbytes(),
                                arg.requires_grad, arg.is_conj(), arg.is_neg(),

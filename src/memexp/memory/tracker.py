@@ -49,6 +49,10 @@ _TO_COPY = torch.ops.aten._to_copy.default
 # A fake tensor's device, asked of every mode (thousands of times a step, by autograd's engine
 # and F.linear): no storage is made or read.
 DEVICE_OF = torch.ops.prim.device.default
+# What follows the counts from outside while they change (memexp.depth labels a trace's events by
+# the block that made them): told of each op before it runs, each count that changes, each
+# candidate for a phase's peak and each phase entered. None when nothing follows.
+_follower = None
 
 
 def device_of(args) -> torch.device:
@@ -58,11 +62,6 @@ def device_of(args) -> torch.device:
     if type(tensor) is FakeTensor:
         return torch.device("meta") if tensor.fake_mode.in_kernel_invocation else tensor.fake_device
     return DEVICE_OF(*args)
-
-# What follows the counts from outside while they change (memexp.depth labels a trace's events by
-# the block that made them): told of each op before it runs, each count that changes, each
-# candidate for a phase's peak and each phase entered. None when nothing follows.
-_follower = None
 
 
 @contextmanager
