@@ -336,3 +336,30 @@ def test_offload_steps_as_adamw_on_the_device_and_frees_its_state():
     state = 8 * sum(p.numel() for p in on_device.model.parameters())
     assert (on_device.meter.report()["peak_bytes"] - on_host.meter.report()["peak_bytes"]
             >= 0.9 * state)
+
+
+def test_muon_is_refused_with_zero1_whose_optimizer_gets_parameter_groups():
+    """ZeroRedundancyOptimizer builds each rank's optimizer from parameter groups, and Muon
+    picks its weights by tensor: it found none of them in the groups, and the rank stepped
+    everything with AdamW, silently (seen: zero1's estimate with Muon held more optimizer
+    state than ddp's). train.py and the plan refuse the combination, naming what to use."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    from memexp.estimate_parallel import fake_rank
+    from memexp.plan import refusal
+    from memexp.techniques.optim import Muon
+
+    model = build_model(compose_config(list(SMALL_MLP)).model)
+    muon = Muon()
+    muon.apply(model)
+    with fake_rank(0, 1):  # what ZeRO would build from Muon, were it let
+        zero = ZeroRedundancyOptimizer(list(model.parameters()),
+                                       optimizer_class=lambda shard, **_: muon.make(shard))
+    assert type(zero.optim) is torch.optim.AdamW
+    why = refusal(compose_config([*SMALL_MLP, "optim=muon", "parallel=zero1",
+                                  "trainer.nproc=2"]), "cpu", 2)
+    assert why.startswith("optim=muon with parallel=zero1: ZeroRedundancyOptimizer builds one "
+                          "optimizer over each rank's share")
+    assert why.endswith("Use parallel=ddp with it, or another optimizer with zero1.")
+    assert refusal(compose_config([*SMALL_MLP, "optim=muon", "parallel=ddp",
+                                   "trainer.nproc=2"]), "cpu", 2) is None

@@ -127,6 +127,10 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
         raise ValueError(
             f"optim={name} with parallel=fsdp: {optim.shards_refused} Use parallel=ddp or zero1 "
             "with it, or optim=adamw, adam or sgd with fsdp.")
+    if parallel.partitions_optimizer and optim.partition_refused:
+        name = "|".join(registry.options_of("optim", type(optim)))
+        raise ValueError(f"optim={name} with parallel=zero1: {optim.partition_refused} Use "
+                         "parallel=ddp with it, or another optimizer with zero1.")
     check_offload(optim, precision, parallel, device)
     check_compile(compile, checkpointing, parallel)
     if checkpoint_every and parallel.distributed:

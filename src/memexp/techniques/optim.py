@@ -214,6 +214,8 @@ class OptimizerChoice(Technique):
     # why it cannot step parameters that parallel=fsdp holds as sharded DTensors, or None where
     # it can (memexp.techniques.check_combination)
     shards_refused: ClassVar[str | None] = None
+    # why parallel=zero1's ZeroRedundancyOptimizer cannot wrap it, or None where it can
+    partition_refused: ClassVar[str | None] = None
     # whether its step can run on the host's copies (offload=cpu): it must not tell parameters
     # apart by identity, as Muon's split does
     offloads: ClassVar[bool] = True
@@ -564,6 +566,11 @@ class Muon(OptimizerChoice):
     shards_refused: ClassVar[str | None] = (
         "Muon orthogonalizes each weight's whole update matrix (Newton-Schulz), and FSDP2 steps "
         "each rank's shard of it alone.")
+    partition_refused: ClassVar[str | None] = (
+        "ZeroRedundancyOptimizer builds one optimizer over each rank's share of the parameters "
+        "and keeps its parameter groups in step with its own, and Muon is two (Muon for the "
+        "blocks' 2-D weights, AdamW for the rest). It picks its weights by tensor, and ZeRO "
+        "hands it parameter groups.")
     offloads: ClassVar[bool] = False
 
     def __post_init__(self) -> None:

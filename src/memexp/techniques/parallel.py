@@ -36,6 +36,9 @@ class Parallel(Protocol):
     # Each rank holds shards of the parameters, gathered only inside forward (fsdp); whole
     # tensors elsewhere, as a loss that applies them itself (chunked_ce) and QLoRA need.
     shards_parameters: bool
+    # Each rank steps its share of the parameters with an optimizer of its own, built by
+    # ZeroRedundancyOptimizer (zero1): the optimizer must let it (partition_refused).
+    partitions_optimizer: bool
     # memexp estimate can trace it: one process, or one rank on a fake process group.
     estimable: bool
     # memexp plan tries the options from the cheapest (the least communicated) up
@@ -80,6 +83,7 @@ class NoParallel(Technique):
     world_size = 1
     distributed = False
     shards_parameters = False
+    partitions_optimizer = False
     estimable = True
     cost_rank = 0  # memexp plan tries options from the cheapest: nothing communicated
 
@@ -126,6 +130,7 @@ class _OnProcessGroup(Technique):
     timeout_s: float = 120.0
     distributed = True
     shards_parameters = False  # each rank holds whole parameters (FSDP shards them)
+    partitions_optimizer = False  # every rank steps every parameter (ZeRO1 partitions them)
     # on torch's fake process group (memexp.estimate_parallel), one rank at a time
     estimable = True
     planned = ({},)  # memexp plan --world-size N tries each, as its YAML has it
@@ -200,6 +205,7 @@ class ZeRO1(DDP):
     parameters and broadcasts them to the others."""
 
     cost_rank = 2  # DDP's all-reduce, and a broadcast of the parameters after the step
+    partitions_optimizer = True
     shallow_differs = ("it gives each rank whole parameters, largest first, so which rank holds "
                        "the most state, and how much, is not the same at every depth")
 
