@@ -406,3 +406,41 @@ def test_an_option_the_user_fixed_is_said_once_not_held_against_every_plan(capsy
                              "learned: only low-rank adapters train")
     assert not any("fit, but change what is learned" in line for line in out)
     assert sum("python train.py " in line for line in out) == 2
+
+
+def test_zero1_is_left_out_where_its_ddp_twin_fits_and_traced_where_it_does_not(capsys):
+    """ZeRO1.dominated_by: a zero1 candidate recomputes, moves and accumulates as its ddp twin
+    (the same options, parallel=ddp) does and communicates more, so a CPU estimate's plan ranks
+    it after the twin whatever their peaks. Where the twin fits, it is left out untraced (it
+    took a whole trace of the 8B Llama each: half the 8-rank plan's time) and said once; where
+    the twin is over, it is traced, and may fit where DDP does not."""
+    ranks = [*DECODER, *PINNED, "precision=fp32", "trainer.nproc=2"]
+    ddp = {option: estimate(compose_config([*ranks, "parallel=ddp",
+                                            f"checkpointing={option}"]), world_size=2)
+           for option in ("none", "full")}
+    limit = (ddp["none"].memory["peak_bytes"] + ddp["full"].memory["peak_bytes"]) // 2
+    assert ddp["full"].memory["peak_bytes"] <= limit < ddp["none"].memory["peak_bytes"]
+    shown = []
+    plans = plan([*ranks, "checkpointing=none,full"], str(limit), world_sizes=(2,),
+                 show=shown.append)
+    search = plans[0].search
+    [left] = search.dominated
+    assert left.overrides[-2:] == ["parallel=zero1", "trainer.nproc=2"]
+    assert "checkpointing=full" in left.overrides and left.estimate is None
+    twin = left.dominated_by
+    assert twin.fits and twin.overrides == [o.replace("zero1", "ddp") for o in left.overrides]
+    [traced] = [line for line in shown if "checkpointing=none" in line and "zero1" in line]
+    assert " over  " in traced or " fits  " in traced  # its own trace's figure
+    assert search.settled == search.candidates
+    # what the ranking claims: the same recomputation and moves, more communication
+    zero1 = estimate(compose_config([*ranks, "parallel=zero1", "checkpointing=full"]),
+                     world_size=2)
+    for key in ("forward", "backward"):
+        assert zero1.flops[key] == ddp["full"].flops[key]
+    assert zero1.memory.get("transfer_bytes_per_step") == ddp["full"].memory.get(
+        "transfer_bytes_per_step")
+    assert left.communication_rank > twin.communication_rank
+    text = planner.describe([*ranks, "checkpointing=none,full"], str(limit), plans)
+    assert "1 more left out untraced, each ranked after one of them (below)" in text
+    assert (f"  parallel=zero1 in place of parallel=ddp in #{plans.index(twin) + 1}: it "
+            "recomputes, moves and accumulates as parallel=ddp does") in text

@@ -159,9 +159,11 @@ STREAM_AS_A100 = rate_modelled_as(STREAM_A100, "the A100 80GB's: none is publish
                                   "GPU")
 # cuDNN's convolutions reach much less of the peak than a matmul of their FLOPs, for reasons a
 # step's time does not separate (the algorithms cuDNN picks, layout conversions of NCHW tensors).
-# Derived from NVIDIA's published ResNet-50 v1.5 training throughput (DeepLearningExamples,
-# PyTorch/Classification/ConvNets/resnet50v1.5/README.md, "Training performance", one GPU,
-# pytorch-21.03 container; batch sizes from its configs.yml): the step's time less memexp's own
+# Derived from published ResNet-50 v1.5 training throughput on one GPU (NVIDIA's, for the A100
+# and the V100: DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
+# "Training performance", pytorch-21.03 container, batch sizes from its configs.yml; Lambda's,
+# with NVIDIA's same code, for the H100: bench/step_time.py names the file): the step's time
+# less memexp's own
 # price of everything in it but the convolutions (Hugging Face's ResNet-50, the same v1.5
 # network, `python bench/step_time.py --convolutions`) is the convolutions' time, and their
 # FLOPs over it a rate. The published run's data loading and cuDNN's choice of algorithms are in
@@ -172,7 +174,12 @@ CONV_A100 = Rate(0.237, "derived: NVIDIA's 938 images/s of ResNet-50 v1.5 traini
 CONV_V100 = Rate(0.86, "derived: NVIDIA's 367 images/s of ResNet-50 v1.5 training in fp32 on "
                  "one V100 16GB at batch 112 (DeepLearningExamples), less memexp's price of its "
                  "other kernels (bench/step_time.py --convolutions)")
+CONV_H100 = Rate(0.173, "derived: Lambda's 1,898 images/s of ResNet-50 v1.5 training in TF32 on "
+                 "one H100 80GB SXM5 at batch 640, NVIDIA's ConvNets code, synthetic data, 2024 "
+                 "(github.com/lambdal/deeplearning-benchmark), less memexp's price of its other "
+                 "kernels (bench/step_time.py --convolutions)")
 CONV_AS_A100 = rate_modelled_as(CONV_A100, "the A100's: none is derived for this GPU")
+CONV_AS_H100 = rate_modelled_as(CONV_H100, "the H100's, the same chip")
 CONV_AS_V100 = rate_modelled_as(CONV_V100, "the V100's, the other GPU without TF32 or bf16")
 # Between nodes, per GPU each way: DGX H100 and H200 have eight 400 Gb/s ConnectX-7 ports for
 # eight GPUs (DGX H100 datasheet), DGX A100 eight 200 Gb/s HDR ports (DGX A100 datasheet)
@@ -237,8 +244,7 @@ def _datasheet(name: str, fp32: float, tf32: float, half: float, memory: float,
 
 
 HOPPER_SXM = dict(fp32=67, tf32=494.7, half=989.4, host_link=PCIE5, peer_link=450e9,
-                  network=NDR_PER_GPU, matmul_share=MAMF_H100, attention_share=FA2_H100,
-                  convolution_share=CONV_AS_A100)
+                  network=NDR_PER_GPU, matmul_share=MAMF_H100, attention_share=FA2_H100)
 NO_TF32 = " (no TF32 before Ampere: fp32's rate)"
 NO_BF16 = " (no bf16 tensor cores before Ampere: fp32's rate)"
 
@@ -292,11 +298,12 @@ GPUS = {gpu.key: gpu for gpu in (
     Gpu("h100", "NVIDIA H100 80GB HBM3", (9, 0), 81559 * MIB, 132, 50 * MIB, 5120,
         H100_CONTEXT, CUBLAS_SM90,
         _datasheet("H100 Tensor Core GPU datasheet, H100 SXM", memory=3350,
-                   memory_share=STREAM_H100, **HOPPER_SXM)),
+                   memory_share=STREAM_H100, convolution_share=CONV_H100, **HOPPER_SXM)),
     Gpu("h200", "NVIDIA H200", (9, 0), 143771 * MIB, 132, 50 * MIB, 6144,
         SAME_CHIP_AS_H100, CUBLAS_SM90,
         _datasheet("H200 Tensor Core GPU datasheet, H200 SXM", memory=4800,
-                   memory_share=STREAM_AS_H100, **HOPPER_SXM)),
+                   memory_share=STREAM_AS_H100, convolution_share=CONV_AS_H100,
+                   **HOPPER_SXM)),
     Gpu("a100-80gb", "NVIDIA A100-SXM4-80GB", (8, 0), 81920 * MIB, 108, 40 * MIB, 5120,
         OLDER_ARCH, CUBLAS_DEFAULT,
         _datasheet("A100 Tensor Core GPU datasheet, A100 80GB SXM", 19.5, 156, 312, 2039, PCIE4,

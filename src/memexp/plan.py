@@ -54,6 +54,7 @@ learning something else.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import shlex
 from collections.abc import Callable
@@ -79,7 +80,7 @@ from memexp.estimate import (
 from memexp.memory.sizes import parse_size
 from memexp.report import write_report
 from memexp.result import mib
-from memexp.settle import TRACED_WHOLE, Candidate, Settled, settle
+from memexp.settle import DOMINATED, TRACED_WHOLE, Candidate, Settled, settle
 from memexp.steptime import duration
 from memexp.techniques import check_combination, check_estimable, check_loss_combination
 from memexp.techniques.adapter import AUTO, resolve_targets
@@ -110,6 +111,8 @@ class Search:
     # every plan's, said once and not ranked by
     own_changes: list[str] = field(default_factory=list)
     settled: int = 0  # those settled (fewer where a Ctrl-C ended the search)
+    # those left out untraced: each ranked after a plan that fits (memexp.settle.DOMINATED)
+    dominated: list[Plan] = field(default_factory=list)
 
 
 @dataclass
@@ -127,6 +130,9 @@ class Plan:
     search: Search  # the space it was chosen from
     settled: Settled | None = None  # how its estimate was had (memexp.settle)
     fits: bool = False
+    # the plan ranked before it whatever their peaks, which fits: it was left out untraced
+    # (memexp.settle.DOMINATED)
+    dominated_by: Plan | None = None
 
     @property
     def peak_bytes(self) -> int:
@@ -161,6 +167,17 @@ class Plan:
         recompute = float("inf") if self.recompute_flops is None else self.recompute_flops
         return (step, recompute, self.transfer_bytes, self.accumulate,
                 self.communication_rank, self.numerics_rank, self.peak_bytes)
+
+
+def with_values(cfg: DictConfig, values: dict[str, object]) -> DictConfig:
+    """A copy of the composed `cfg` with `values` overridden, as Hydra overrides a value once
+    it has composed the config groups (OmegaConf.update, merging): the config of `cfg`'s
+    overrides and `key=value` for each of `values`, without composing it again (0.1 s of CPU
+    a compose, 80 of them for an 8-rank plan)."""
+    cfg = copy.deepcopy(cfg)
+    for key, value in values.items():
+        OmegaConf.update(cfg, key, value, merge=True)
+    return cfg
 
 
 def computed_groups() -> tuple[str, ...]:
@@ -407,16 +424,21 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
         key=lambda option: (chosen["checkpointing"][option[0]].cost_rank, option[2],
                             chosen["parallel"][option[1]].cost_rank))
     candidates, plans, refused = [], {}, []
+    composed: dict[tuple, DictConfig] = {}  # by the options chosen: micro-batches are values
     for picks in computed_options:
         picked = dict(zip(groups, picks, strict=True))
         computed = [f"{group}={option}" for group, option in picked.items()]
         for checkpointing, parallel, accumulate in kept_options:
-            overrides = [*computed, f"checkpointing={checkpointing}",
-                         f"optim.accumulate={accumulate}",
-                         f"data.batch_size={batch // accumulate}"]
-            if world_size > 1:
-                overrides += [f"parallel={parallel}", f"trainer.nproc={world_size}"]
-            cfg = compose_config([*fixed, *overrides])
+            chosen_options = (*computed, f"checkpointing={checkpointing}",
+                              *((f"parallel={parallel}", f"trainer.nproc={world_size}")
+                                if world_size > 1 else ()))
+            values = {"optim.accumulate": accumulate, "data.batch_size": batch // accumulate}
+            overrides = [*chosen_options[:len(computed) + 1],
+                         *(f"{key}={value}" for key, value in values.items()),
+                         *chosen_options[len(computed) + 1:]]
+            if chosen_options not in composed:
+                composed[chosen_options] = compose_config([*fixed, *chosen_options])
+            cfg = with_values(composed[chosen_options], values)
             why = refusal(cfg, target, world_size)
             if why:  # train.py (or the estimate) would refuse it: nothing to estimate
                 search.refused[why] = search.refused.get(why, 0) + 1
@@ -431,6 +453,8 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
                 math_changes(chosen, {**picked, "checkpointing": checkpointing}, accumulate,
                              batch_norm, own), search)
     search.candidates = len(candidates)
+    if target == "cpu":  # a CUDA plan ranks by predicted step time first, on which they differ
+        link_twins(candidates, chosen["parallel"])
     if not candidates:
         raise ValueError("train.py or the estimate refuses every combination "
                          "searched: " + "; ".join(f"{why} ({count} of them)"
@@ -453,8 +477,12 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
     def settled(candidate: Candidate, result: Settled) -> None:
         found = plans[id(candidate)]
         found.estimate, found.settled = result.estimate, result
-        found.fits = found.estimate is not None and found.peak_bytes <= limit
         search.settled += 1
+        if result.source == DOMINATED:
+            found.dominated_by = plans[id(candidates[candidate.after])]
+            show(f"  {'left out':>11}  {' '.join(candidate.overrides)}  ({result.source})")
+            return
+        found.fits = found.estimate is not None and found.peak_bytes <= limit
         at_least = ">" if found.estimate is None else " "
         show(f"  {at_least}{mib(found.peak_bytes):>10}  {'fits' if found.fits else 'over':<4}  "
              f"{' '.join(candidate.overrides)}  ({result.source}"
@@ -469,7 +497,8 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
              "settled")
     finally:
         torch.set_num_threads(threads)
-    done = [p for p in plans.values() if p.settled is not None]
+    search.dominated = [p for p in plans.values() if p.dominated_by is not None]
+    done = [p for p in plans.values() if p.settled is not None and p.dominated_by is None]
     recompute_flops(done, chosen)
     # every plan that fits; and each choice that fits in no way, with its smallest peak
     kept = [p for p in done if p.fits]
@@ -481,6 +510,21 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
                 choices_over[key] = p
     return sorted([*kept, *choices_over.values()],
                   key=lambda p: (not p.fits, not allow_changes and bool(p.changes), p.cost()))
+
+
+def link_twins(candidates: list[Candidate], parallel: dict[str, type]) -> None:
+    """Each candidate whose parallel option's class names another as ranked before it
+    (`dominated_by`) waits for its twin: the candidate of that option with every other choice
+    the same (memexp.settle)."""
+    numbers = {tuple(candidate.overrides): number for number, candidate in enumerate(candidates)}
+    for candidate in candidates:
+        option = candidate.group[1]
+        before = registry.stated(parallel[option], "dominated_by", None)
+        twin = next((name for name, target in parallel.items() if target is before), None)
+        if twin is not None:
+            overrides = [f"parallel={twin}" if override == f"parallel={option}" else override
+                         for override in candidate.overrides]
+            candidate.after = numbers.get(tuple(overrides))
 
 
 def recompute_flops(plans: list[Plan], chosen: dict[str, dict]) -> None:
@@ -557,9 +601,11 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
     order = (f"fastest first (predicted step time on the {timed[0]}, memexp.steptime)" if timed
              else "by what recomputation adds (a CPU estimate predicts no step time: "
                   "--target cuda --gpu NAME ranks by it)")
-    lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget}{per_rank} "
-             f"({traced[0].target if traced else 'cpu'} estimate), {order}"]
     search = plans[0].search if plans else None
+    dominated = (f"; {len(search.dominated)} more left out untraced, each ranked after one of "
+                 "them (below)" if search is not None and search.dominated else "")
+    lines = [f"memexp plan: {len(fitting)} of {len(plans)} ways fit in {budget}{per_rank} "
+             f"({traced[0].target if traced else 'cpu'} estimate), {order}{dominated}"]
     if search is not None and search.settled < search.candidates:
         lines.append(f"interrupted: {search.settled} of the {search.candidates} candidates "
                      "were settled, and only those are ranked")
@@ -588,7 +634,28 @@ def describe(arguments: list[str], budget: str, plans: list[Plan],
         lines.append(f"  {number:>2}  {peak:>11}  {step:>9}  {recompute:>10}  "
                      f"{mib(p.transfer_bytes):>10}  {p.accumulate:>5}  {command(fixed, p)}")
         lines += [f"      changes what is learned: {change}" for change in p.changes]
-    return "\n".join(lines + sources(plans))
+    return "\n".join(lines + sources(plans) + left_out(plans))
+
+
+def left_out(plans: list[Plan]) -> list[str]:
+    """The candidates left out untraced (memexp.settle.DOMINATED), by the parallel options
+    swapped: each the run of a plan above with its parallel option, which fits, in place of
+    another that ranks after it whatever their peaks."""
+    if not plans:
+        return []
+    swaps: dict[tuple[str, str], list[int]] = {}
+    for p in plans[0].search.dominated:
+        twin = p.dominated_by
+        (own,) = set(p.overrides) - set(twin.overrides)
+        (theirs,) = set(twin.overrides) - set(p.overrides)
+        swaps.setdefault((own, theirs), []).append(plans.index(twin) + 1)
+    lines = ["", "left out, untraced:"] if swaps else []
+    for (own, theirs), numbers in swaps.items():
+        which = ", ".join(f"#{n}" for n in sorted(numbers))
+        lines.append(f"  {own} in place of {theirs} in {which}: it recomputes, moves and "
+                     f"accumulates as {theirs} does and communicates more, so it ranks after "
+                     "each of them, which fit, whatever its peak (memexp estimate gives it)")
+    return lines
 
 
 def sources(plans: list[Plan]) -> list[str]:

@@ -15,6 +15,10 @@ forked workers (memexp.forked) where cores are free, each reported as it is sett
   group, once a second recomputation's cannot either).
 - A CPU estimate traced whole stops the moment its live bytes pass the budget: the candidate
   is over, with those bytes as its bound (`STOPPED`), and is not traced to its end.
+- A candidate that the plan ranks after another whatever their peaks (its option's class names
+  that one's `dominated_by`: parallel=zero1, ddp), with every other option the same, waits for
+  that twin (Candidate.after): where the twin fits, it is left out untraced (`DOMINATED`), no
+  plan of its own; where the twin does not, it is settled as any other.
 - The order: each group's most recomputed or offloaded candidate first (the likeliest to fit;
   where it does, its group's bound could spare nothing, and is not traced; where it does not,
   the bound is traced next), then the rest, those traced whole first.
@@ -41,6 +45,8 @@ TRACED_WHOLE = "traced whole"  # a Settled's source where nothing was cut or bou
 # A Settled's source where it has a bound and no estimate: what held it over the budget
 BOUNDED = "its parameters, gradients and optimizer state alone"
 STOPPED = "the bytes live at a moment of its own trace"
+# A Settled's source where the twin ranked before it fits (Candidate.after): no estimate, no bound
+DOMINATED = "ranked after its twin, which fits"
 # The roles the meter gives storages (memexp.memory.meter): the same in every candidate of a group
 _ROLES = ("params", "frozen", "grads", "optimizer")
 # The namespaces of torch.distributed's collectives
@@ -56,12 +62,15 @@ class Candidate:
     overrides: list[str]
     cfg: DictConfig
     group: tuple
+    # the candidate (its number) that a CPU estimate's plan ranks before it whatever their
+    # peaks (its class's `dominated_by`), or None
+    after: int | None = None
 
 
 @dataclass
 class Settled:
     """A candidate's estimate and how it was had; or, where it cannot fit, no estimate and the
-    bytes it holds at least (`bound`)."""
+    bytes it holds at least (`bound`); or, `DOMINATED`, neither."""
 
     estimate: Estimate | None
     source: str
@@ -167,6 +176,11 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
     def checkpointing(number: int) -> str:
         return candidates[number].cfg.checkpointing._target_
 
+    # those that wait for their twin: left out where it fits, else settled as they were to be
+    waiting: dict[int, list[int]] = {}
+    for number, candidate in enumerate(candidates):
+        if candidate.after is not None and target == "cpu":
+            waiting.setdefault(candidate.after, []).append(number)
     tasks = sum(1 if how == "whole" else len(depth.DEPTHS) for how in state.values())
     with Pool(workers_for(tasks)) as pool:
 
@@ -196,12 +210,20 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
             state[number] = None
             pool.drop(lambda key: key[0] != "bound" and key[1] == number)
             group = candidates[number].group
-            if (number == groups[group][-1] and target == "cpu" and (
-                    result.estimate is None or result.estimate.memory["peak_bytes"] > limit)):
+            fits = result.estimate is not None and result.estimate.memory["peak_bytes"] <= limit
+            if (number == groups[group][-1] and target == "cpu" and not fits
+                    and result.source != DOMINATED):
                 # its group's likeliest to fit is over: its bound may spare every other's trace
                 pool.submit(("bound", group), _held, plain[groups[group][0]], world_size,
                             first=True)
             settled(candidates[number], result)
+            for twin in waiting.pop(number, ()):
+                if state[twin] is None:  # its group's bound settled it first
+                    continue
+                if fits:
+                    report(twin, Settled(None, DOMINATED))
+                else:
+                    submit(twin)
 
         def submit(number: int) -> None:
             if state[number] == "whole":
@@ -214,11 +236,13 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
         # First each group's last candidate (the most recomputed or offloaded: the likeliest to
         # fit); where it is over, its group's bound next (bounds only a CPU estimate's: the CUDA
         # trace runs in a process of its own); then the rest, those traced whole first.
-        probes = {numbers[-1] for numbers in groups.values()}
+        # A candidate waiting for its twin is submitted once the twin is over (report).
+        later = {twin for twins in waiting.values() for twin in twins}
+        probes = {numbers[-1] for numbers in groups.values()} - later
         for number in sorted(probes):
             submit(number)
         for number in sorted(state, key=lambda n: state[n] != "whole"):
-            if number not in probes:
+            if number not in probes | later:
                 submit(number)
         for (kind, which, *keep), result in pool.results():
             if kind == "bound":

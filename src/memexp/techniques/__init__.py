@@ -72,6 +72,11 @@ class Technique:
     # why memexp plan cannot take its estimate from copies of the model with fewer blocks
     # (memexp.depth), which then traces it whole; None where it can
     shallow_differs: ClassVar[str | None] = None
+    # the option of its group that memexp plan ranks before it on a CPU estimate whatever their
+    # peaks (the same recomputation, bytes moved and micro-batches, less communication): where
+    # that one fits with every other option the same, this one is left out untraced
+    # (memexp.settle); None where no option is
+    dominated_by: ClassVar[type | None] = None
 
 
 def check_combination(precision, optim, parallel, bn_mode, checkpointing, compile, adapter,

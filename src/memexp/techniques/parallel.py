@@ -206,6 +206,9 @@ class ZeRO1(DDP):
 
     cost_rank = 2  # DDP's all-reduce, and a broadcast of the parameters after the step
     partitions_optimizer = True
+    # DDP's forward and backward (it recomputes and moves what DDP does), and a broadcast more
+    # a step: it saves memory, and is worth a trace only where DDP does not fit
+    dominated_by = DDP
     shallow_differs = ("it gives each rank whole parameters, largest first, so which rank holds "
                        "the most state, and how much, is not the same at every depth")
 
