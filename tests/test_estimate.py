@@ -171,6 +171,32 @@ def test_the_trace_s_quicker_cache_keys_tell_apart_what_torch_s_do():
     assert _fake_outputs(estimate_module._FakeMode()) == _fake_outputs(FakeTensorMode())
 
 
+def test_the_trace_takes_unsafe_view_from_the_cache_as_torch_makes_it():
+    """memexp's fake mode dispatches `_unsafe_view` (a linear layer's matmul on a 3-D input
+    ends with one) as `view`, which torch's cache knows how to give: outputs as plain
+    FakeTensorMode makes them, field by field, sharing their input's storage; autograd still
+    takes them as no view; and where no view can be made (a transposed input), the same error.
+    Given a storage of its own, an output would count its bytes twice (tried: a cached clone)."""
+    def outputs(mode) -> list:
+        made = []
+        with mode:
+            base = torch.empty(6, 8, 4, requires_grad=True)
+            for tensor in (base, base[1:], base.detach()[:, 2:]):
+                out = torch.ops.aten._unsafe_view.default(tensor, [tensor.shape[0], -1])
+                made.append((out.shape, out.stride(), out.storage_offset(), out._is_view(),
+                             out.untyped_storage()._cdata == tensor.untyped_storage()._cdata))
+            try:
+                torch.ops.aten._unsafe_view.default(base.transpose(0, 2), [-1])
+            except (RuntimeError, ValueError) as error:
+                made.append((type(error), str(error)))
+            weight = torch.empty(3, 4, requires_grad=True)
+            torch.nn.functional.linear(base, weight).sum().backward()
+            made.append((weight.grad.shape, base.grad.shape))
+        return made
+
+    assert outputs(estimate_module._FakeMode()) == outputs(FakeTensorMode())
+
+
 def _fake_outputs(mode) -> list[tuple]:
     made = []
     with mode:

@@ -304,14 +304,30 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
 
 class _FakeMode(FakeTensorMode):
-    """FakeTensorMode with quicker cache keys. torch caches each op's output metadata under a
-    key made from its arguments, a plain fake tensor's through a TensorMetadata that is built
-    and then flattened field by field: about 13 us a tensor, a fifth of a trace's time. Here
-    such a tensor's key is one tuple of what that metadata is made of (its memory format and
-    contiguity are functions of its shape and strides; no sparse field applies to a strided
-    tensor), read off the tensor at once. Everything else is keyed as torch keys it. torch's
-    cache is one for every mode, and a key made here never equals one of torch's (a list's
-    length is a number here, a string there)."""
+    """FakeTensorMode with quicker cache keys, and one op more taken from the cache. torch
+    caches each op's output metadata under a key made from its arguments, a plain fake tensor's
+    through a TensorMetadata that is built and then flattened field by field: about 13 us a
+    tensor, a fifth of a trace's time. Here such a tensor's key is one tuple of what that
+    metadata is made of (its memory format and contiguity are functions of its shape and
+    strides; no sparse field applies to a strided tensor), read off the tensor at once.
+    Everything else is keyed as torch keys it. torch's cache is one for every mode, and a key
+    made here never equals one of torch's (a list's length is a number here, a string there).
+
+    torch never caches `_unsafe_view` (what a linear layer's matmul ends with on a 3-D input:
+    360 to 680 ops of a 3-block copy of a Llama, each 0.4 ms uncached): it shares its input's
+    storage, where its schema says it makes a tensor of its own, so the cache would give it
+    new storage. Below autograd, where a mode runs, it is `view` (ATen's _unsafe_view is
+    view's implementation; autograd above the modes still takes it as no view), which the
+    cache knows to give the input's storage; so on a plain fake tensor it is dispatched as
+    that, and where a view cannot be made, as itself."""
+
+    def dispatch(self, func, types, args=(), kwargs=None):
+        if func is _UNSAFE_VIEW and _plain_fake(self, args[0]):
+            try:
+                return super().dispatch(_VIEW, types, args, kwargs)
+            except (RuntimeError, ValueError):  # not viewable: torch's own _unsafe_view says why
+                pass
+        return super().dispatch(func, types, args, kwargs)
 
     def _prep_args_for_hash(self, result: list, args, state, id_hashed_objects: list) -> None:
         if not isinstance(args, (list, tuple)):  # a dict (kwargs), or its keys and values
@@ -320,8 +336,7 @@ class _FakeMode(FakeTensorMode):
         result.append(type(args))
         result.append(len(args))
         for arg in args:
-            if (type(arg) is FakeTensor and arg.fake_mode is self and arg.constant is None
-                    and arg.layout is torch.strided and not arg._has_symbolic_sizes_strides):
+            if _plain_fake(self, arg):
                 result.append((arg.dtype, arg.shape, arg.stride(), arg.device,
                                arg.storage_offset(), arg.untyped_storage().nbytes(),
                                arg.requires_grad, arg.is_conj(), arg.is_neg(),
@@ -335,6 +350,13 @@ class _FakeMode(FakeTensorMode):
                 super()._prep_args_for_hash(result, (arg,), state, id_hashed_objects)
 
 
+def _plain_fake(mode: FakeTensorMode, arg) -> bool:
+    """Whether `arg` is a plain strided fake tensor of `mode`'s: no constant, no symbolic size."""
+    return (type(arg) is FakeTensor and arg.fake_mode is mode and arg.constant is None
+            and arg.layout is torch.strided and not arg._has_symbolic_sizes_strides)
+
+
+_UNSAFE_VIEW, _VIEW = torch.ops.aten._unsafe_view.default, torch.ops.aten.view.default
 # Arguments that torch's cache key takes as they are (with their type: 1 and 1.0 hash alike)
 _PLAIN_VALUES = frozenset((int, float, bool, str, type(None), torch.dtype, torch.device,
                            torch.layout, torch.memory_format))
