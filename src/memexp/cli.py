@@ -63,9 +63,16 @@ def gpu_for(args: argparse.Namespace) -> str:
 
 
 def estimate(args: argparse.Namespace) -> int:
-    from memexp.estimate import attention_kernels, compose_config, describe, optimizer_kernels
+    from memexp.estimate import (
+        attention_kernels,
+        compose_config,
+        describe,
+        keep_freed_memory,
+        optimizer_kernels,
+    )
     from memexp.estimate import estimate as predict
 
+    keep_freed_memory()
     cfg = compose_config(args.overrides)
     result = predict(cfg, target=args.target, gpu_key=gpu_for(args), world_size=args.world_size)
     if args.json:
@@ -85,9 +92,10 @@ def estimate(args: argparse.Namespace) -> int:
 
 
 def find_batch(args: argparse.Namespace) -> int:
-    from memexp.estimate import compose_config
+    from memexp.estimate import compose_config, keep_freed_memory
     from memexp.find_batch import find_batch_size
 
+    keep_freed_memory()
     search = find_batch_size(compose_config(args.overrides),
                              show=lambda line: print(line, flush=True))
     print(f"memexp find-batch: data.batch_size={search.batch_size} is the largest that fits in "
@@ -109,6 +117,9 @@ def world_sizes(given: str) -> tuple[int, ...]:
 
 def plan(args: argparse.Namespace) -> int:
     from memexp import plan as planner
+    from memexp.estimate import keep_freed_memory
+
+    keep_freed_memory()  # before the workers fork: theirs too
 
     budgets = [a.split("=", 1)[1] for a in args.arguments if a.startswith("budget=")]
     ranks = world_sizes(args.world_size)

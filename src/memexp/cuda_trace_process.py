@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from omegaconf import OmegaConf
 
-from memexp.estimate import estimate
+from memexp.estimate import estimate, keep_freed_memory
 from memexp.gpus import gpu
 
 
@@ -25,6 +25,7 @@ def loaded_driver() -> list[str]:
 def main() -> int:
     """The trace process: config JSON on stdin, the Estimate as JSON in the file named by
     argv[1]."""
+    keep_freed_memory()
     request = json.loads(sys.stdin.read())
     output = Path(sys.argv[1])
     try:
