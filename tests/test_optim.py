@@ -363,3 +363,7 @@ def test_muon_is_refused_with_zero1_whose_optimizer_gets_parameter_groups():
     assert why.endswith("Use parallel=ddp with it, or another optimizer with zero1.")
     assert refusal(compose_config([*SMALL_MLP, "optim=muon", "parallel=ddp",
                                    "trainer.nproc=2"]), "cpu", 2) is None
+    # and FSDP's refusal of Muon names ddp alone
+    assert refusal(compose_config([*SMALL_MLP, "optim=muon", "parallel=fsdp",
+                                   "trainer.nproc=2"]), "cpu", 2).endswith(
+        "Use parallel=ddp with it, or optim=adamw, adam or sgd with fsdp.")

@@ -444,3 +444,19 @@ def test_zero1_is_left_out_where_its_ddp_twin_fits_and_traced_where_it_does_not(
     assert "1 more left out untraced, each ranked after one of them (below)" in text
     assert (f"  parallel=zero1 in place of parallel=ddp in #{plans.index(twin) + 1}: it "
             "recomputes, moves and accumulates as parallel=ddp does") in text
+
+
+def test_a_candidate_s_values_set_on_its_groups_compose_are_hydra_s_own():
+    """plan composes once for each choice of config groups and sets the micro-batches and the
+    batch split into them as values (plan.with_values): the config equals a full compose of
+    the candidate's overrides, the user's own batch size overridden, and the copy it was set on
+    is left as it was."""
+    chosen = [*DECODER, "optim=adamw", "checkpointing=full", "parallel=ddp", "trainer.nproc=2"]
+    composed = compose_config(chosen)
+    before = OmegaConf.to_yaml(composed)
+    values = {"optim.accumulate": 2, "data.batch_size": 1}
+    made = planner.with_values(composed, values)
+    full = compose_config([*chosen, "optim.accumulate=2", "data.batch_size=1"])
+    assert OmegaConf.to_yaml(made) == OmegaConf.to_yaml(full)
+    assert OmegaConf.is_struct(made) == OmegaConf.is_struct(full)
+    assert OmegaConf.to_yaml(composed) == before

@@ -92,10 +92,9 @@ def estimate(args: argparse.Namespace) -> int:
 
 
 def find_batch(args: argparse.Namespace) -> int:
-    from memexp.estimate import compose_config, keep_freed_memory
+    from memexp.estimate import compose_config
     from memexp.find_batch import find_batch_size
 
-    keep_freed_memory()
     search = find_batch_size(compose_config(args.overrides),
                              show=lambda line: print(line, flush=True))
     print(f"memexp find-batch: data.batch_size={search.batch_size} is the largest that fits in "

@@ -484,24 +484,28 @@ class Estimate:
 
 
 # glibc's mallopt parameters (malloc.h), and the largest value it takes (an int)
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MOST = -1, -3, 2**31 - 1
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX, _MOST = -1, -3, -4, 2**31 - 1
 
 
 def keep_freed_memory() -> None:
-    """Have glibc keep the blocks this process frees for its next allocations, up to 2 GiB a
-    block: for a process that only estimates (memexp estimate, plan and find-batch, and the
-    CUDA trace's process). A trace makes real tensors from the batch's values (an 8B Llama at
-    seq 8192: its attention masks, 134 MB of booleans each, 4 a trace), and glibc maps a block
-    above its threshold (128 KiB, at most 32 MiB as it adapts) fresh from the kernel and returns
-    it when freed, so the kernel zero-fills its pages again: on copies of that Llama, 3.4 s of
-    system time in 22 s, 0.8 s with this, the process's peak RSS 816 MiB against 944 MiB. A
-    training process is left as it is: the memory it frees goes back to the system. Nothing
-    changes elsewhere (a C library other than glibc)."""
+    """Have glibc keep the blocks this process frees for its next allocations: for the
+    processes of memexp estimate and plan (and the CUDA trace's process). A trace makes real
+    tensors from the batch's values (an 8B Llama at seq 8192: its attention masks, 134 MB of
+    booleans each, 4 a trace), and glibc maps a block above its threshold (128 KiB, at most
+    32 MiB as it adapts) fresh from the kernel and unmaps it when freed, so the kernel
+    zero-fills its pages again: on copies of that Llama, 3.4 s of system time in 22 s, 0.8 s
+    with this; the process's peak RSS 816 MiB without, 944 MiB with. The threshold goes to
+    2 GiB where glibc takes it (2.35 and later), else no block is mapped on its own (2.34 and
+    earlier take no threshold above 32 MiB); freed memory stays with the process. A plan's
+    `--verify` runs its plans in this process: their peaks are the allocator's counters or the
+    storage tracker's, not the process's memory. A training process is left as it is. Nothing
+    changes with a C library other than glibc."""
     if platform.libc_ver()[0] != "glibc":
         return
     libc = ctypes.CDLL(None)
-    for parameter in (_M_MMAP_THRESHOLD, _M_TRIM_THRESHOLD):
-        libc.mallopt(parameter, _MOST)
+    if not libc.mallopt(_M_MMAP_THRESHOLD, _MOST):
+        libc.mallopt(_M_MMAP_MAX, 0)
+    libc.mallopt(_M_TRIM_THRESHOLD, _MOST)
 
 
 def estimate(cfg: DictConfig, target: str = "cpu", gpu_key: str = "h100",

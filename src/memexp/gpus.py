@@ -163,11 +163,10 @@ STREAM_AS_A100 = rate_modelled_as(STREAM_A100, "the A100 80GB's: none is publish
 # and the V100: DeepLearningExamples, PyTorch/Classification/ConvNets/resnet50v1.5/README.md,
 # "Training performance", pytorch-21.03 container, batch sizes from its configs.yml; Lambda's,
 # with NVIDIA's same code, for the H100: bench/step_time.py names the file): the step's time
-# less memexp's own
-# price of everything in it but the convolutions (Hugging Face's ResNet-50, the same v1.5
-# network, `python bench/step_time.py --convolutions`) is the convolutions' time, and their
-# FLOPs over it a rate. The published run's data loading and cuDNN's choice of algorithms are in
-# it, unmodelled.
+# less memexp's own price of everything in it but the convolutions (Hugging Face's ResNet-50,
+# the same v1.5 network, `python bench/step_time.py --convolutions`) is the convolutions' time,
+# and their FLOPs over it a rate. The published run's data loading and cuDNN's choice of
+# algorithms are in it, unmodelled.
 CONV_A100 = Rate(0.237, "derived: NVIDIA's 938 images/s of ResNet-50 v1.5 training in TF32 on "
                  "one A100 80GB at batch 256 (DeepLearningExamples), less memexp's price of its "
                  "other kernels (bench/step_time.py --convolutions)")

@@ -62,8 +62,8 @@ class Candidate:
     overrides: list[str]
     cfg: DictConfig
     group: tuple
-    # the candidate (its number) that a CPU estimate's plan ranks before it whatever their
-    # peaks (its class's `dominated_by`), or None
+    # the candidate (its number) that the plan ranks before it whatever their peaks (its
+    # class's `dominated_by`; a CPU estimate's plan only: memexp.plan.link_twins), or None
     after: int | None = None
 
 
@@ -179,7 +179,7 @@ def settle(candidates: list[Candidate], limit: int, target: str, gpu_key: str,
     # those that wait for their twin: left out where it fits, else settled as they were to be
     waiting: dict[int, list[int]] = {}
     for number, candidate in enumerate(candidates):
-        if candidate.after is not None and target == "cpu":
+        if candidate.after is not None:
             waiting.setdefault(candidate.after, []).append(number)
     tasks = sum(1 if how == "whole" else len(depth.DEPTHS) for how in state.values())
     with Pool(workers_for(tasks)) as pool:

@@ -129,9 +129,10 @@ def check_combination(precision, optim, parallel, bn_mode, checkpointing, compil
             "adapter=lora.")
     if parallel.shards_parameters and optim.shards_refused:
         name = "|".join(registry.options_of("optim", type(optim)))
+        whole = "parallel=ddp" if optim.partition_refused else "parallel=ddp or zero1"
         raise ValueError(
-            f"optim={name} with parallel=fsdp: {optim.shards_refused} Use parallel=ddp or zero1 "
-            "with it, or optim=adamw, adam or sgd with fsdp.")
+            f"optim={name} with parallel=fsdp: {optim.shards_refused} Use {whole} with it, or "
+            "optim=adamw, adam or sgd with fsdp.")
     if parallel.partitions_optimizer and optim.partition_refused:
         name = "|".join(registry.options_of("optim", type(optim)))
         raise ValueError(f"optim={name} with parallel=zero1: {optim.partition_refused} Use "
