@@ -429,16 +429,15 @@ def plan_ranks(arguments: list[str], limit: int, target: str, gpu: str, allow_ch
         picked = dict(zip(groups, picks, strict=True))
         computed = [f"{group}={option}" for group, option in picked.items()]
         for checkpointing, parallel, accumulate in kept_options:
-            chosen_options = (*computed, f"checkpointing={checkpointing}",
-                              *((f"parallel={parallel}", f"trainer.nproc={world_size}")
-                                if world_size > 1 else ()))
+            kept = [f"checkpointing={checkpointing}"]
+            ranks = [f"parallel={parallel}", f"trainer.nproc={world_size}"] * (world_size > 1)
             values = {"optim.accumulate": accumulate, "data.batch_size": batch // accumulate}
-            overrides = [*chosen_options[:len(computed) + 1],
-                         *(f"{key}={value}" for key, value in values.items()),
-                         *chosen_options[len(computed) + 1:]]
-            if chosen_options not in composed:
-                composed[chosen_options] = compose_config([*fixed, *chosen_options])
-            cfg = with_values(composed[chosen_options], values)
+            overrides = [*computed, *kept, *(f"{key}={value}" for key, value in values.items()),
+                         *ranks]
+            options = (*computed, *kept, *ranks)
+            if options not in composed:
+                composed[options] = compose_config([*fixed, *options])
+            cfg = with_values(composed[options], values)
             why = refusal(cfg, target, world_size)
             if why:  # train.py (or the estimate) would refuse it: nothing to estimate
                 search.refused[why] = search.refused.get(why, 0) + 1
